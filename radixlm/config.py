@@ -1,0 +1,91 @@
+"""Frozen configuration dataclasses. Every engine knob lives here and is validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache geometry.
+
+    The pool size is the first of: `num_pages` if set, else `kv_memory_bytes`, else
+    `kv_memory_fraction` of the device's free memory (available RAM on CPU).
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_memory_bytes: int | None = None
+    kv_memory_fraction: float = 0.2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
+            raise ValueError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    `max_batched_tokens` is the per-step token budget shared by decodes (1 token each) and
+    prefill chunks; `chunked_prefill_size` caps one request's chunk (None: no chunking, a prompt
+    is prefilled whole even past the budget when it runs alone).
+    """
+
+    max_running_requests: int = 64
+    max_batched_tokens: int = 2048
+    chunked_prefill_size: int | None = 512
+    schedule_policy: str = "lpm"
+    # LPM aging: every second waited counts as this many matched prefix tokens, so no request
+    # starves behind a stream of better-matching ones.
+    aging_tokens_per_second: float = 256.0
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be >= 1 or None")
+        if self.aging_tokens_per_second < 0:
+            raise ValueError("aging_tokens_per_second must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `Engine(**kwargs)` accepts besides the model."""
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda if available, else cpu
+    attention_backend: str = "auto"
+    num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's choice
+    seed: int = 0
+    debug_integrity: bool = False  # check_integrity() after every step
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from flat keyword arguments: cache and scheduler fields may be given directly."""
+        cache_names = {f.name for f in fields(CacheConfig)}
+        sched_names = {f.name for f in fields(SchedulerConfig)}
+        own_names = {f.name for f in fields(cls)} - {"cache", "scheduler"}
+        cache_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in cache_names}
+        sched_kw = {k: kwargs.pop(k) for k in list(kwargs) if k in sched_names}
+        unknown = set(kwargs) - own_names
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(cache=CacheConfig(**cache_kw), scheduler=SchedulerConfig(**sched_kw), **kwargs)

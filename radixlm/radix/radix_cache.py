@@ -1,0 +1,398 @@
+"""Radix tree of full token pages -> physical page ids, with LRU eviction.
+
+Usage by the scheduler (one request; ``ps`` = page size):
+
+1. admit: ``m = cache.match_prefix(prompt[:usable], ns)``; ``cache.lock(m.node)``;
+   ``req.pages = m.pages + pool.alloc(k)``. ``lock`` is just one ``incref`` of each matched
+   page, and those pages are also in ``req.pages``.
+2. after computing ``n`` full pages:
+   ``req.pages[:n] = cache.insert_and_adopt(tokens[: n * ps], req.pages[:n], ns)``.
+3. finish/abort: step 2 for the full pages (if caching), then ``pool.decref(req.pages)``.
+   That single decref also releases the lock of step 1: do *not* call ``unlock`` as well
+   (``unlock`` exists for symmetry and for callers that hold only the matched prefix).
+4. ``pool.alloc`` would fail: ``cache.evict(shortfall)`` and retry.
+
+The tree never counts as a ref: a tree page whose ref drops to 0 becomes *cached*, and only
+``evict`` / ``reset`` return it to the free list.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from radixlm.radix.block_pool import BlockPool, _require
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One edge of the radix tree: ``key`` tokens stored in ``pages`` (``page_size`` each).
+
+    Roots have an empty key and no pages. ``children`` is keyed by the child's first page of
+    tokens. ``last_access`` is a logical clock; an ancestor is touched whenever a descendant is,
+    so ``parent.last_access >= child.last_access`` always holds.
+    """
+
+    key: tuple[int, ...]
+    pages: list[int]
+    parent: TreeNode | None
+    namespace: Hashable | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    last_access: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and not self.key
+
+
+@dataclass
+class MatchResult:
+    """Matched prefix: ``pages`` in order, ``num_tokens == len(pages) * page_size``.
+
+    ``node`` is the deepest matched node (the namespace root on a miss); pass it to
+    ``lock`` / ``unlock``. The path root..node holds exactly ``pages``.
+    """
+
+    pages: list[int]
+    num_tokens: int
+    node: TreeNode
+
+
+@dataclass
+class CacheStats:
+    num_nodes: int
+    cached_pages: int
+    protected_pages: int
+    total_tree_pages: int
+    hit_tokens: int
+    queried_tokens: int
+    hit_rate: float
+
+
+class RadixCache:
+    """Prefix cache over a ``BlockPool``; one tree root per namespace (LoRA, cache salt...).
+
+    Invariants (checked by ``check_integrity``): every tree page is marked ``in_tree`` in the
+    pool and occurs exactly once in the tree; every non-root node has a non-empty key of
+    ``len(pages) * page_size`` tokens; ``_leaves`` is exactly the set of non-root childless
+    nodes; ``_num_tree_pages`` counts the tree's pages.
+    """
+
+    def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.enabled = enabled
+        self._roots: dict[Hashable | None, TreeNode] = {}
+        self._leaves: set[TreeNode] = set()
+        self._num_tree_pages = 0
+        self._clock = 0
+        self._hit_tokens = 0
+        self._queried_tokens = 0
+
+    @property
+    def num_tree_pages(self) -> int:
+        """Pages the tree holds (cached or held), O(1)."""
+        return self._num_tree_pages
+
+    # ------------------------------------------------------------------ match / insert
+    def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
+        """Longest prefix of ``tokens`` in the tree, in whole pages; touches the matched path.
+
+        A match ending inside a node splits it, so that ``node`` ends exactly at the match.
+        """
+        self._queried_tokens += len(tokens)
+        root = self._root(namespace)
+        if not self.enabled:
+            return MatchResult([], 0, root)
+        ps = self.page_size
+        node, pages, pos = root, [], 0
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child, tokens, pos)
+            pages.extend(child.pages[:n])
+            pos += n * ps
+            if n < len(child.pages):
+                node = child
+                break
+            node = child
+        self._touch(node)
+        self._hit_tokens += pos
+        return MatchResult(pages, pos, node)
+
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
+    ) -> list[int]:
+        """Insert full pages; return the pages the tree holds for the whole sequence.
+
+        Where the tree already has a page for a position, the tree's page wins; the rest of the
+        caller's pages are adopted (``mark_in_tree``), which requires each to be held and not
+        already in the tree. The caller should swap its duplicates (see ``insert_and_adopt``).
+        Disabled: adopts nothing and returns ``list(pages)``.
+        """
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(
+                f"insert needs whole pages: {len(tokens)} tokens for {len(pages)} pages of {ps}"
+            )
+        if not self.enabled:
+            return list(pages)
+        node, out, p = self._root(namespace), [], 0
+        while p < len(pages):
+            child = node.children.get(tuple(tokens[p * ps : (p + 1) * ps]))
+            if child is None:
+                self._add_leaf(node, tuple(tokens[p * ps :]), list(pages[p:]))
+                out.extend(pages[p:])
+                node = node.children[tuple(tokens[p * ps : (p + 1) * ps])]
+                break
+            n = self._common_pages(child, tokens, p * ps)
+            out.extend(child.pages[:n])
+            p += n
+            node = self._split(child, n) if n < len(child.pages) else child
+        self._touch(node)
+        return out
+
+    def insert_and_adopt(
+        self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
+    ) -> list[int]:
+        """``insert``, then swap the caller's duplicates for the tree's pages.
+
+        The caller holds one ref on each of ``pages``; afterwards it holds one ref on each page
+        of the returned list instead (tree pages increfed, its own duplicates decrefed, which
+        frees them since they are not in the tree).
+        """
+        tree_pages = self.insert(tokens, pages, namespace)
+        take = [t for t, own in zip(tree_pages, pages, strict=True) if t != own]
+        drop = [own for t, own in zip(tree_pages, pages, strict=True) if t != own]
+        # NOTE: incref before decref so that no page is ever transiently unreferenced.
+        self.pool.incref(take)
+        self.pool.decref(drop)
+        return tree_pages
+
+    # ------------------------------------------------------------------ lock
+    def lock(self, node: TreeNode) -> None:
+        """Incref every page on the path root..node: the caller now holds the matched prefix."""
+        self.pool.incref(self._path_pages(node))
+
+    def unlock(self, node: TreeNode) -> None:
+        """Decref every page on the path root..node (the inverse of ``lock``)."""
+        self.pool.decref(self._path_pages(node))
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` unreferenced pages, least-recently-used leaves first.
+
+        Removes a leaf's maximal tail of ref-0 pages (only part of it if fewer are needed);
+        a parent left childless joins the heap. Never frees a page with ref > 0.
+        Returns the number of pages freed. O(leaves + k log leaves).
+        """
+        if num_pages <= 0 or not self._leaves:
+            return 0
+        tie = itertools.count()
+        heap = [(n.last_access, next(tie), n) for n in self._leaves if self._free_tail(n) > 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, node = heapq.heappop(heap)
+            take = min(self._free_tail(node), num_pages - freed)
+            victims = node.pages[-take:]
+            if take == len(node.pages):
+                parent = self._remove_leaf(node)
+                if not parent.is_root and not parent.children and self._free_tail(parent) > 0:
+                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
+            else:
+                del node.pages[-take:]
+                node.key = node.key[: len(node.pages) * self.page_size]
+                self._num_tree_pages -= take
+            for page in victims:
+                self.pool.mark_in_tree(page, False)
+            freed += take
+        return freed
+
+    def evictable_pages(self) -> int:
+        """Pages ``evict`` could free right now (O(tree))."""
+        total = 0
+        cleared: dict[TreeNode, bool] = {}
+        for node in self._postorder():
+            if node.is_root:
+                continue
+            tail = self._free_tail(node) if all(cleared[c] for c in node.children.values()) else 0
+            cleared[node] = tail == len(node.pages)
+            total += tail
+        return total
+
+    def reset(self) -> None:
+        """Drop every cached page. Raises ``RuntimeError`` (changing nothing) if any is held."""
+        held = [p for n in self._nodes() for p in n.pages if self.pool.ref(p) > 0]
+        if held:
+            raise RuntimeError(f"cannot reset the radix cache: {len(held)} tree pages are held")
+        for node in list(self._nodes()):
+            for page in node.pages:
+                self.pool.mark_in_tree(page, False)
+        self._roots.clear()
+        self._leaves.clear()
+        self._num_tree_pages = 0
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> CacheStats:
+        """Tree occupancy (O(tree)) and cumulative hit statistics (``reset`` keeps these)."""
+        nodes = [n for n in self._nodes() if not n.is_root]
+        refs = [self.pool.ref(p) for n in nodes for p in n.pages]
+        cached = sum(1 for r in refs if r == 0)
+        q = self._queried_tokens
+        return CacheStats(
+            num_nodes=len(nodes),
+            cached_pages=cached,
+            protected_pages=len(refs) - cached,
+            total_tree_pages=len(refs),
+            hit_tokens=self._hit_tokens,
+            queried_tokens=q,
+            hit_rate=self._hit_tokens / q if q else 0.0,
+        )
+
+    def page_map(self, namespace: Hashable | None = None) -> dict[tuple[int, ...], int]:
+        """Every page-aligned prefix in the namespace's tree -> the page holding its last page."""
+        out: dict[tuple[int, ...], int] = {}
+        root = self._roots.get(namespace)
+        stack = [(root, ())] if root is not None else []
+        ps = self.page_size
+        while stack:
+            node, prefix = stack.pop()
+            for i, page in enumerate(node.pages):
+                out[prefix + node.key[: (i + 1) * ps]] = page
+            stack.extend((c, prefix + node.key) for c in node.children.values())
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless tree and pool agree (see the class invariants)."""
+        pool, ps = self.pool, self.page_size
+        pool.check_integrity()
+        seen: set[int] = set()
+        leaves: set[TreeNode] = set()
+        for ns, root in self._roots.items():
+            _require(root.is_root and not root.pages, f"root of namespace {ns!r} is malformed")
+            _require(root.namespace == ns, f"root of namespace {ns!r} has wrong namespace")
+        for node in self._nodes():
+            for first, child in node.children.items():
+                _require(child.parent is node, f"child {first} does not point back to its parent")
+                _require(child.key[:ps] == first, f"child keyed {first} starts {child.key[:ps]}")
+                _require(
+                    child.last_access <= node.last_access, f"child {first} newer than its parent"
+                )
+            if node.is_root:
+                continue
+            if not node.children:
+                leaves.add(node)
+            _require(len(node.pages) > 0, f"node {node.key[:ps]} has no pages")
+            _require(
+                len(node.key) == len(node.pages) * ps,
+                f"node key length {len(node.key)} != {len(node.pages)} pages * {ps}",
+            )
+            for page in node.pages:
+                _require(0 <= page < pool.num_pages, f"tree holds invalid page id {page}")
+                _require(page not in seen, f"page {page} appears twice in the tree")
+                seen.add(page)
+                _require(pool.in_tree(page), f"tree page {page} is not marked in_tree")
+                _require(not pool.is_free(page), f"tree page {page} is in the free list")
+        marked = sum(1 for p in range(pool.num_pages) if pool.in_tree(p))
+        _require(marked == len(seen), f"{marked} pages marked in_tree, tree holds {len(seen)}")
+        _require(leaves == self._leaves, "leaf set out of sync with the tree")
+        _require(
+            self._num_tree_pages == len(seen),
+            f"tree page counter {self._num_tree_pages} != actual {len(seen)}",
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _root(self, namespace: Hashable | None) -> TreeNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = TreeNode((), [], None, namespace)
+        return root
+
+    def _common_pages(self, child: TreeNode, tokens: Sequence[int], pos: int) -> int:
+        """Whole pages of ``child`` matching ``tokens[pos:]`` (>= 1: the first is the dict key)."""
+        ps, key = self.page_size, child.key
+        most = min(len(child.pages), (len(tokens) - pos) // ps)
+        n = 1
+        while n < most:
+            lo, hi = n * ps, (n + 1) * ps
+            if tuple(tokens[pos + lo : pos + hi]) != key[lo:hi]:
+                break
+            n += 1
+        return n
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node`` after ``n`` pages; return the new head (parent of the shortened node)."""
+        ps, parent = self.page_size, node.parent
+        assert parent is not None and 0 < n < len(node.pages)
+        head = TreeNode(node.key[: n * ps], node.pages[:n], parent, node.namespace)
+        head.last_access = node.last_access
+        parent.children[head.key[:ps]] = head
+        node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], head
+        head.children[node.key[:ps]] = node
+        return head
+
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: list[int]) -> None:
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"insert got duplicate page ids: {pages}")
+        for page in pages:
+            if self.pool.ref(page) == 0 or self.pool.in_tree(page):
+                raise ValueError(f"cannot adopt page {page}: not held, or already in the tree")
+        for page in pages:
+            self.pool.mark_in_tree(page, True)
+        leaf = TreeNode(key, pages, parent, parent.namespace)
+        parent.children[key[: self.page_size]] = leaf
+        self._leaves.discard(parent)
+        self._leaves.add(leaf)
+        self._num_tree_pages += len(pages)
+
+    def _remove_leaf(self, node: TreeNode) -> TreeNode:
+        """Detach a childless node; return its parent (now possibly a leaf)."""
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key[: self.page_size]]
+        node.parent = None
+        self._leaves.discard(node)
+        if not parent.children and not parent.is_root:
+            self._leaves.add(parent)
+        self._num_tree_pages -= len(node.pages)
+        return parent
+
+    def _free_tail(self, node: TreeNode) -> int:
+        """Length of the node's maximal trailing run of ref-0 pages."""
+        n = 0
+        for page in reversed(node.pages):
+            if self.pool.ref(page) > 0:
+                break
+            n += 1
+        return n
+
+    def _touch(self, node: TreeNode) -> None:
+        self._clock += 1
+        cur: TreeNode | None = node
+        while cur is not None:
+            cur.last_access = self._clock
+            cur = cur.parent
+
+    def _path_pages(self, node: TreeNode) -> list[int]:
+        out: list[list[int]] = []
+        cur = node
+        while cur.parent is not None:
+            out.append(cur.pages)
+            cur = cur.parent
+        if self._roots.get(cur.namespace) is not cur:
+            raise ValueError("node is no longer in the tree (evicted or reset)")
+        return [p for pages in reversed(out) for p in pages]
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _postorder(self) -> list[TreeNode]:
+        return list(reversed(list(self._nodes())))

@@ -1,0 +1,325 @@
+"""Engine: the public entry point. The step loop runs in its own thread.
+
+Callers on any thread (or an asyncio loop) submit requests through a queue; the loop thread alone
+touches the scheduler, cache and model. Results come back through per-request sinks: a
+`threading` queue for `generate`/`stream`, an `asyncio.Queue` for the async variants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from radixlm.config import EngineConfig
+from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.model_runner import ModelRunner, pick_device
+from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
+from radixlm.runtime.request import Request, RequestOutput
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    """`Engine(model=None, dtype="bfloat16", **config)`; see `EngineConfig` for the knobs."""
+
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
+        from radixlm.runtime.models.loader import load_model_info, load_tokenizer, resolve_model_path
+
+        self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_dir = resolve_model_path(cfg.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model_info = load_model_info(self.model_dir)
+        self.device = pick_device(cfg.device)
+        self.runner = ModelRunner(
+            self.model_dir,
+            cfg.dtype,
+            self.device,
+            cfg.cache,
+            cfg.attention_backend,
+            cfg.scheduler.max_model_len,
+        )
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
+        self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
+        eos = set(self.model_info.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.processor = OutputProcessor(
+            self.tokenizer,
+            self.eos_token_ids,
+            self.runner.vocab_size,
+            self.max_model_len,
+            self.device,
+            seed=cfg.seed,
+        )
+        self.scheduler = Scheduler(
+            self.runner,
+            self.pool,
+            self.cache,
+            cfg.scheduler,
+            self.processor,
+            self.max_model_len,
+            debug_integrity=cfg.debug_integrity,
+        )
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- submission ---------------------------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        sink: Callable[[RequestOutput], None] | None = None,
+        request_id: str | None = None,
+        namespace: Hashable | None = None,
+    ) -> str:
+        """Queue one request (all `params.n` branches); outputs go to `sink` from the loop thread."""
+        if self._stopped.is_set():
+            raise RuntimeError("engine is shut down")
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}"
+            )
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=ids,
+            params=params,
+            sink=sink,
+            namespace=namespace,
+        )
+        self.processor.init_request(req)
+        self._inbox.put(("add", req))
+        return req.request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ---- sync API -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> GenerateResult | list[GenerateResult]:
+        """Generate for one prompt (str or token ids) or a batch; batches are submitted together."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
+        waiters = []
+        for prompt, p in zip(batch, plist):
+            q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+            rid = self.submit(prompt, p, sink=q.put)
+            waiters.append((rid, q, (p or SamplingParams()).n))
+        results = [self._collect(*w) for w in waiters]
+        return results[0] if single else results
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield deltas as they are produced; closing the iterator early aborts the request."""
+        q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        n = (params or SamplingParams()).n
+        rid = self.submit(prompt, params, sink=q.put)
+        done = 0
+        try:
+            while done < n:
+                out = q.get()
+                done += out.finished
+                yield out
+        finally:
+            if done < n:
+                self.abort(rid)
+
+    def _collect(self, rid: str, q: queue.SimpleQueue, n: int) -> GenerateResult:
+        outs = [Completion(index=i) for i in range(n)]
+        done, last = 0, None
+        while done < n:
+            out = q.get()
+            outs[out.index].add(out)
+            done += out.finished
+            last = out
+        return _result(rid, outs, last)
+
+    # ---- async API ----------------------------------------------------------------------------
+
+    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerateResult:
+        n = (params or SamplingParams()).n
+        outs = [Completion(index=i) for i in range(n)]
+        last = None
+        rid = None
+        async for out in self.stream_async(prompt, params):
+            rid = out.request_id
+            outs[out.index].add(out)
+            last = out
+        return _result(rid or "", outs, last)
+
+    async def stream_async(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Async deltas; cancellation (e.g. a client disconnect) aborts the request."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        n = (params or SamplingParams()).n
+        rid = self.submit(prompt, params, sink=lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
+                          request_id=request_id)
+        done = 0
+        try:
+            while done < n:
+                out = await q.get()
+                done += out.finished
+                yield out
+        finally:
+            if done < n:
+                self.abort(rid)
+
+    # ---- control ------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            cs = self.cache.stats()
+            return EngineStats(
+                num_running=len(s.running),
+                num_waiting=len(s.waiting),
+                kv_pages_total=self.pool.num_pages,
+                kv_pages_used=self.pool.num_held,
+                kv_pages_cached=self.pool.num_cached,
+                kv_pages_free=self.pool.num_free,
+                page_size=self.pool.page_size,
+                cache_hit_tokens=cs.hit_tokens,
+                cache_queried_tokens=cs.queried_tokens,
+                cache_hit_rate=cs.hit_rate,
+                prompt_tokens=s.total_prompt_tokens,
+                computed_prompt_tokens=s.total_computed_prompt_tokens,
+                generated_tokens=s.total_generated_tokens,
+                num_retractions=s.num_retractions,
+                last_step_tokens=s.last_step.num_tokens,
+                last_step_seconds=s.last_step.step_seconds,
+            )
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self.scheduler.check_integrity()
+
+    def flush_cache(self) -> bool:
+        """Drop every cached page; only when no request is running or waiting."""
+        with self._lock:
+            if self.scheduler.has_work():
+                return False
+            self.cache.reset()
+            return True
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is running or waiting (and the inbox is drained)."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._inbox.empty() and not self.scheduler.has_work():
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+
+    def shutdown(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- loop thread --------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            block = not self.scheduler.has_work()
+            try:
+                cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                cmd = None
+            with self._lock:
+                while cmd is not None:
+                    self._apply(cmd)
+                    try:
+                        cmd = self._inbox.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self.scheduler.has_work() and not self._stopped.is_set():
+                    self._step()
+        with self._lock:
+            for req in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.scheduler.abort(req.request_id)
+            self.processor.drain()
+
+    def _apply(self, cmd: tuple[str, Any]) -> None:
+        kind, arg = cmd
+        if kind == "add":
+            self.scheduler.add_request(arg)
+            self.processor.drain()
+        elif kind == "abort":
+            self.scheduler.abort(arg)
+            self.processor.drain()
+
+    def _step(self) -> None:
+        try:
+            self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.exception("engine step failed; failing the affected requests")
+            self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")
+            self.processor.drain()
+
+
+def _result(rid: str, outs: list[Completion], last: RequestOutput | None) -> GenerateResult:
+    usage = Usage(
+        prompt_tokens=last.prompt_tokens if last else 0,
+        completion_tokens=sum(len(o.output_token_ids) for o in outs),
+        cached_tokens=last.cached_tokens if last else 0,
+    )
+    return GenerateResult(request_id=rid, outputs=outs, usage=usage)

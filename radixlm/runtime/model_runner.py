@@ -1,0 +1,110 @@
+"""ModelRunner: owns the model weights, the paged KV buffers and the attention backend."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from radixlm.config import CacheConfig
+from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
+from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+from radixlm.runtime.models.llama import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device: CUDA free memory, or MemAvailable of the host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 4 << 30
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class ModelRunner:
+    """Runs one ragged forward and returns float32 logits of the selected rows."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        device: torch.device,
+        cache_config: CacheConfig,
+        attention_backend: str = "auto",
+        max_model_len: int | None = None,
+    ) -> None:
+        from transformers import AutoConfig
+
+        from radixlm.runtime.models.loader import iter_safetensors
+
+        self.device = device
+        self.dtype = DTYPES[dtype]
+        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in MODEL_REGISTRY:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}")
+        self.hf_config = hf_config
+        self.max_model_len = min(
+            hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
+        )
+        with torch.device("meta"):
+            model = MODEL_REGISTRY[arch](hf_config, max_positions=self.max_model_len)
+        model.to_empty(device=device)
+        model.to(self.dtype)
+        model.tie_weights()
+        model.load_weights(iter_safetensors(model_dir))
+        # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
+        model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
+        model.eval()
+        self.model = model
+        self.vocab_size = hf_config.vocab_size
+
+        self.page_size = cache_config.page_size
+        self.num_pages = self._num_pages(cache_config)
+        self.kv_cache = KVCache.allocate(
+            hf_config.num_hidden_layers,
+            self.num_pages,
+            self.page_size,
+            hf_config.num_key_value_heads,
+            model.head_dim,
+            self.dtype,
+            device,
+        )
+        self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
+        self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
+        logger.info(
+            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s",
+            model_dir.name, arch, device, self.num_pages, self.page_size,
+            self.attention_backend_name,
+        )
+
+    def _num_pages(self, cc: CacheConfig) -> int:
+        cfg = self.hf_config
+        per_page = KVCache.bytes_per_page(
+            cfg.num_hidden_layers, cc.page_size, cfg.num_key_value_heads, self.model.head_dim,
+            self.dtype,
+        )
+        if cc.num_pages is not None:
+            return cc.num_pages
+        budget = cc.kv_memory_bytes or int(available_memory_bytes(self.device) * cc.kv_memory_fraction)
+        # Never more than enough for a full pool of max-length sequences: 64 of them is plenty.
+        cap = 64 * (self.max_model_len // cc.page_size + 1)
+        return max(2, min(budget // per_page, cap))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
+        self.attn.init_forward(batch)
+        return self.model(batch, self.attn)

@@ -1,0 +1,1 @@
+"""Model definitions and model loading (GGUF conversion, config normalization, weights)."""

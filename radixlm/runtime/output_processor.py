@@ -1,0 +1,180 @@
+"""Sampling and per-token bookkeeping: append, stop checks, detokenize, emit deltas.
+
+Runs on the engine's step thread. Outputs are queued during a step and handed to the requests'
+sinks by `drain()` at the end of the step, after the scheduler has released finished pages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from radixlm.runtime.detokenizer import IncrementalDetokenizer, stop_token_hit
+from radixlm.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
+from radixlm.runtime.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    make_generator,
+    min_tokens_suppress_ids,
+)
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        max_model_len: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sampler = Sampler(seed=seed)
+        self._pending: list[tuple[Request, RequestOutput]] = []
+        # Per-request cursor: how many output tokens / logprobs were already emitted.
+        self._emitted: dict[int, int] = {}
+
+    # ---- request setup -------------------------------------------------------------------------
+
+    def init_request(self, req: Request) -> None:
+        """Attach the detokenizer and (for seeded requests) the generator."""
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+        if req.params.seed is not None:
+            req.generator = make_generator(req.params.seed + req.index, self.device)
+
+    def make_branch(self, parent: Request, index: int) -> Request:
+        child = Request(
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            sink=parent.sink,
+            namespace=parent.namespace,
+            index=index,
+            arrival_time=parent.arrival_time,
+        )
+        self.init_request(child)
+        return child
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def sample_and_append(
+        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
+    ) -> list[Request]:
+        """Sample one token for each request from `logits[rows[i]]`; return the finished ones."""
+        if not reqs:
+            return []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
+        params = [r.params for r in reqs]
+        suppress = [
+            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
+        ]
+        needs_hist = any(p.needs_penalties for p in params)
+        info = SamplingBatchInfo.build(
+            params,
+            [r.generator for r in reqs],
+            [r.prompt_token_ids if needs_hist else () for r in reqs],
+            [r.output_token_ids if needs_hist else () for r in reqs],
+            self.vocab_size,
+            logits.device,
+            suppress_token_ids=suppress,
+        )
+        out = self.sampler(logits, info)
+        finished = []
+        now = time.monotonic()
+        for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
+            if req.params.logprobs:
+                top = out.top_logprobs[i] if out.top_logprobs else None
+                req.output_logprobs.append(TokenLogprob(tok, out.logprobs[i], top or []))
+            if self._append(req, tok, now):
+                finished.append(req)
+        return finished
+
+    def _append(self, req: Request, tok: int, now: float) -> bool:
+        req.token_ids.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        n_out = req.num_output_tokens
+        delta = ""
+        reason = None
+        stop_tok = stop_token_hit(tok, req.params, self.eos_token_ids, n_out)
+        if stop_tok is not None:
+            reason = "stop"
+            req.stop_reason = tok if tok in req.params.stop_token_ids else None
+        elif req.detokenizer is not None:
+            delta = req.detokenizer.append(tok)
+            if req.detokenizer.stopped:
+                reason = "stop"
+                req.stop_reason = req.detokenizer.stop_reason
+        if reason is None and (
+            n_out >= req.params.max_new_tokens or req.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            req.finish_reason = reason
+            req.status = RequestStatus.FINISHED
+            req.finish_time = now
+            if req.detokenizer is not None:
+                delta += req.detokenizer.finish()
+        self._queue(req, delta)
+        return reason is not None
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request from outside sampling (abort)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.monotonic()
+        self._queue(req, "")
+
+    def fail(self, req: Request, message: str) -> None:
+        req.error = message
+        self.finish(req, "error")
+
+    def _queue(self, req: Request, text: str) -> None:
+        key = id(req)
+        start = self._emitted.get(key, 0)
+        new_tokens = req.output_token_ids[start:]
+        new_lps = req.output_logprobs[start:] if req.params.logprobs else []
+        finished = req.status is RequestStatus.FINISHED
+        if finished:
+            self._emitted.pop(key, None)
+        else:
+            self._emitted[key] = start + len(new_tokens)
+        self._pending.append(
+            (
+                req,
+                RequestOutput(
+                    request_id=req.request_id,
+                    index=req.index,
+                    text=text,
+                    token_ids=list(new_tokens),
+                    logprobs=list(new_lps),
+                    finished=finished,
+                    finish_reason=req.finish_reason if finished else None,
+                    stop_reason=req.stop_reason if finished else None,
+                    error=req.error,
+                    prompt_tokens=req.num_prompt_tokens,
+                    cached_tokens=req.num_cached_tokens,
+                    completion_tokens=req.num_output_tokens,
+                ),
+            )
+        )
+
+    def drain(self) -> list[RequestOutput]:
+        """Hand this step's outputs to their sinks; return them."""
+        pending, self._pending = self._pending, []
+        for req, out in pending:
+            if req.sink is not None:
+                req.sink(out)
+        return [out for _, out in pending]

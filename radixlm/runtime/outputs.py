@@ -1,0 +1,83 @@
+"""Result objects the Engine returns (boundary dataclasses, not dicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixlm.runtime.request import RequestOutput, TokenLogprob
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the radix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Completion:
+    """One generated sequence (branch `index` of an n > 1 request)."""
+
+    index: int
+    text: str = ""
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self.text += delta.text
+        self.output_token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+            self.error = delta.error
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    outputs: list[Completion]
+    usage: Usage
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs[0].output_token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return next((o.error for o in self.outputs if o.error), None)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_total: int
+    kv_pages_used: int  # held by running requests
+    kv_pages_cached: int  # in the radix cache with no holder (evictable)
+    kv_pages_free: int
+    page_size: int
+    cache_hit_tokens: int
+    cache_queried_tokens: int
+    cache_hit_rate: float
+    prompt_tokens: int  # prompt tokens of admitted requests
+    computed_prompt_tokens: int  # prompt tokens actually run through the model (incl. recompute)
+    generated_tokens: int
+    num_retractions: int
+    last_step_tokens: int
+    last_step_seconds: float

@@ -1,0 +1,113 @@
+"""Request state, with one accounting for prefill, chunked prefill, prefix hits and decode.
+
+A request owns `token_ids` (prompt + generated) and `num_computed_tokens`: the tokens whose K/V
+are in its pages. Each step computes a slice of the difference; a prefix hit just starts
+`num_computed_tokens` above zero. The last sampled token is never computed until the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """One delta for one sequence (branch `index` of its request group)."""
+
+    request_id: str
+    index: int
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new tokens since the previous delta
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: OutputSink | None = None
+    namespace: Hashable | None = None
+    index: int = 0  # branch index within an n > 1 group
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit of the first admission (reported in usage)
+    admitted_once: bool = False
+    num_retractions: int = 0
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    detokenizer: Any = None
+    # n > 1: branches still to fork from this request once its prompt is computed.
+    pending_forks: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.pending_forks = self.params.n - 1 if self.index == 0 else 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> int:
+        """Extra pages to hold `num_tokens` tokens in total."""
+        return max(0, -(-num_tokens // page_size) - len(self.pages))

@@ -1,0 +1,157 @@
+"""Per-request sampling parameters (vLLM / SGLang semantics), validated at construction.
+
+Invariants after ``__post_init__`` (a ``SamplingParams`` is frozen, so they hold forever):
+
+- every numeric field has the right type (``bool`` is never accepted as a number) and is finite;
+- ``top_k`` is ``-1`` (disabled) or ``>= 1`` (``0`` is normalized to ``-1``);
+- ``stop`` is a tuple of non-empty strings, ``stop_token_ids`` a tuple of ints ``>= 0``;
+- ``top_logprobs > 0`` implies ``logprobs`` (normalized to ``True``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+_SEED_LIMIT = 2**64
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuation. Immutable and hashable.
+
+    ``temperature == 0`` (or ``top_k == 1``) means greedy decoding. ``stop`` accepts a single
+    string or a sequence of strings. ``seed`` makes sampling reproducible per request,
+    independent of the other requests in the batch.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        max_new = _check_int("max_new_tokens", self.max_new_tokens)
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        min_new = _check_int("min_new_tokens", self.min_new_tokens)
+        if not 0 <= min_new <= max_new:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens={max_new}], got {min_new}"
+            )
+        self._set_float("temperature", lambda v: v >= 0, ">= 0")
+        top_k = _check_int("top_k", self.top_k)
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k}")
+        set_(self, "top_k", -1 if top_k == 0 else top_k)
+        self._set_float("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        self._set_float("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        self._set_float("repetition_penalty", lambda v: v > 0, "> 0")
+        self._set_float("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        self._set_float("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        if self.seed is not None:
+            seed = _check_int("seed", self.seed)
+            if not 0 <= seed < _SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        set_(self, "stop", self._normalize_stop(self.stop))
+        set_(self, "stop_token_ids", self._normalize_stop_token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        top_lp = _check_int("top_logprobs", self.top_logprobs)
+        if not 0 <= top_lp <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_lp}")
+        if top_lp > 0:
+            set_(self, "logprobs", True)
+        n = _check_int("n", self.n)
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+
+    def _set_float(self, name: str, ok: Any, rule: str) -> None:
+        value = _check_float(name, getattr(self, name))
+        if not ok(value):
+            raise ValueError(f"{name} must be {rule}, got {value!r}")
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _normalize_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, Sequence):
+            raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+        out = tuple(items)
+        for s in out:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {stop!r}")
+        return out
+
+    @staticmethod
+    def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError(f"stop_token_ids must be a list of int, got {ids!r}")
+        out = tuple(ids)
+        for t in out:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must contain ints >= 0, got {ids!r}")
+        return out
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any repetition / frequency / presence penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def max_stop_str_len(self) -> int:
+        """Length of the longest stop string (0 when there is none)."""
+        return max((len(s) for s in self.stop), default=0)

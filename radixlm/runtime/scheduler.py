@@ -1,0 +1,354 @@
+"""Iteration-level continuous batching over the radix cache.
+
+One `step()`: schedule running requests (decodes and unfinished prefill chunks) first, then admit
+waiting ones by policy, all under `max_batched_tokens`; run a single ragged forward; sample; append
+tokens and finish requests. Memory pressure: evict unlocked cache leaves (LRU), then retract the
+running request with the least progress (its computed full pages go to the radix cache first, so
+recomputation is mostly prefix hits). A request that cannot fit even alone fails with an error.
+
+NOTE: invariants kept here
+- A request's `pages` are exactly the pages it holds one ref on; the full ones it shares with the
+  tree form a root path, so releasing is one `pool.decref(req.pages)`.
+- Only full pages are inserted into the tree; the partial last page stays private.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from radixlm.config import SchedulerConfig
+from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.request import Request, RequestOutput, RequestStatus
+from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledItem:
+    req: Request
+    num_tokens: int  # new tokens computed for this request this step
+
+
+@dataclass
+class StepStats:
+    num_tokens: int = 0
+    num_requests: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner,
+        pool: BlockPool,
+        cache: RadixCache,
+        config: SchedulerConfig,
+        processor: OutputProcessor,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+        debug_integrity: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.cache = cache
+        self.config = config
+        self.processor = processor
+        self.max_model_len = max_model_len
+        self.page_size = pool.page_size
+        self.clock = clock
+        self.debug_integrity = debug_integrity
+        self.policy: SchedulePolicy = create_policy(config.schedule_policy, config, cache, clock)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.last_step = StepStats()
+        self.num_retractions = 0
+        self.total_prompt_tokens = 0
+        self.total_computed_prompt_tokens = 0
+        self.total_generated_tokens = 0
+
+    # ---- queue management -------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.num_tokens == 0:
+            self.processor.fail(req, "prompt must contain at least one token")
+            return
+        if req.num_tokens >= self.max_model_len:
+            self.processor.fail(
+                req,
+                f"prompt has {req.num_tokens} tokens; the maximum context length is "
+                f"{self.max_model_len} (prompt + at least one generated token)",
+            )
+            return
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every branch of `request_id` with reason "abort"; returns whether any existed."""
+        found = False
+        for req in [r for r in self.waiting if r.request_id == request_id]:
+            self.waiting.remove(req)
+            self._finish(req, "abort")
+            found = True
+        for req in [r for r in self.running if r.request_id == request_id]:
+            self.running.remove(req)
+            self._finish(req, "abort")
+            found = True
+        return found
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledItem]:
+        cfg = self.config
+        items: list[ScheduledItem] = []
+        chunk_cap = cfg.chunked_prefill_size or math.inf
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # retracted or failed earlier in this loop
+            budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
+            n = int(min(req.num_uncomputed, chunk_cap, budget))
+            if n <= 0:
+                continue
+            if self._ensure_pages(req, req.num_computed_tokens + n, items):
+                items.append(ScheduledItem(req, n))
+        self._admit(items)
+        return items
+
+    def _admit(self, items: list[ScheduledItem]) -> None:
+        cfg = self.config
+        chunk_cap = cfg.chunked_prefill_size or math.inf
+        for req in self.policy.order(self.waiting):
+            if len(self.running) >= cfg.max_running_requests:
+                break
+            budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
+            if budget <= 0:
+                break
+            m = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.namespace)
+            self.cache.lock(m.node)
+            req.pages = list(m.pages)
+            req.num_computed_tokens = m.num_tokens
+            remaining = req.num_uncomputed
+            if cfg.chunked_prefill_size is None:
+                # No chunking: the whole prompt, past the budget only when it runs alone.
+                if remaining > budget and items:
+                    self._release(req)
+                    break
+                n = remaining
+            else:
+                n = int(min(remaining, chunk_cap, budget))
+            if not self._alloc_for_admission(req, req.num_computed_tokens + n):
+                self._release(req)
+                if not self.running and not items:
+                    self.waiting.remove(req)
+                    self.processor.fail(req, self._capacity_error(req))
+                    continue
+                break
+            self.waiting.remove(req)
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.num_cached_tokens = m.num_tokens
+                self.total_prompt_tokens += req.num_prompt_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            items.append(ScheduledItem(req, n))
+
+    def _alloc_for_admission(self, req: Request, total_tokens: int) -> bool:
+        """Allocate for a new admission, keeping one page of headroom per running request."""
+        need = req.pages_needed(total_tokens, self.page_size)
+        reserve = len(self.running)
+        short = need + reserve - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        if need + reserve > self.pool.num_free:
+            return False
+        req.pages.extend(self.pool.alloc(need))
+        return True
+
+    def _ensure_pages(self, req: Request, total_tokens: int, items: list[ScheduledItem]) -> bool:
+        """Give a running request pages for `total_tokens`; evict, then retract, when short."""
+        need = req.pages_needed(total_tokens, self.page_size)
+        while need > self.pool.num_free:
+            short = need - self.pool.num_free
+            if self.cache.evict(short) >= short:
+                continue
+            if len(self.running) == 1:
+                # Alone, with every evictable page gone: it can never fit.
+                self.running.remove(req)
+                self.processor.fail(req, self._capacity_error(req))
+                self._release(req)
+                return False
+            victim = min(self.running, key=lambda r: (r.num_output_tokens, -r.arrival_time))
+            self._retract(victim, items)
+            if victim is req:
+                return False
+        req.pages.extend(self.pool.alloc(need))
+        return True
+
+    def _capacity_error(self, req: Request) -> str:
+        return (
+            f"request {req.request_id} needs more KV cache than the whole pool holds "
+            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages of {self.page_size})"
+        )
+
+    def _retract(self, req: Request, items: list[ScheduledItem]) -> None:
+        """Preempt: cache its computed full pages, free the rest, recompute later."""
+        items[:] = [i for i in items if i.req is not req]
+        self.running.remove(req)
+        self._cache_computed(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+        logger.debug("retracted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def _release(self, req: Request) -> None:
+        self.pool.decref(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+
+    def _cache_computed(self, req: Request) -> None:
+        """Insert the request's computed full pages into the tree (and adopt the tree's copies)."""
+        num_full = req.num_computed_tokens // self.page_size
+        if num_full == 0 or not self.cache.enabled:
+            return
+        full = self.cache.insert_and_adopt(
+            req.token_ids[: num_full * self.page_size], req.pages[:num_full], req.namespace
+        )
+        req.pages[:num_full] = full
+
+    # ---- one iteration -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        items = self.schedule()
+        if not items:
+            self.last_step = StepStats(step_seconds=time.perf_counter() - t0)
+            return self.processor.drain()
+        sample_items = [i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens]
+        batch = self._build_batch(items, {id(i.req) for i in sample_items})
+        t1 = time.perf_counter()
+        logits = self.runner.forward(batch)  # [len(sample_items), V]
+        t2 = time.perf_counter()
+        for item in items:
+            req = item.req
+            was_prefill = req.num_computed_tokens < req.num_prompt_tokens
+            req.num_computed_tokens += item.num_tokens
+            if was_prefill:
+                self.total_computed_prompt_tokens += item.num_tokens
+                if req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._cache_computed(req)  # share the prompt with later arrivals
+        reqs = [i.req for i in sample_items]
+        rows = list(range(len(reqs)))
+        for row, req in enumerate(list(reqs)):
+            for child in self._fork(req):
+                reqs.append(child)
+                rows.append(row)
+        finished = self.processor.sample_and_append(reqs, logits, rows)
+        self.total_generated_tokens += len(reqs)
+        for req in finished:
+            if req in self.running:
+                self.running.remove(req)
+            self._finish(req, None)
+        n_prefill = sum(i.num_tokens for i in items if i.num_tokens > 1)
+        self.last_step = StepStats(
+            num_tokens=batch.num_tokens,
+            num_requests=len(items),
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=batch.num_tokens - n_prefill,
+            forward_seconds=t2 - t1,
+            step_seconds=time.perf_counter() - t0,
+        )
+        if self.debug_integrity:
+            self.check_integrity()
+        return self.processor.drain()
+
+    def _build_batch(self, items: list[ScheduledItem], sampling: set[int]):
+        from radixlm.runtime.forward_batch import ForwardBatch
+
+        chunks, prefix, pages, rows = [], [], [], []
+        for item in items:
+            req = item.req
+            start = req.num_computed_tokens
+            chunks.append(req.token_ids[start : start + item.num_tokens])
+            prefix.append(start)
+            pages.append(req.pages)
+            rows.append([item.num_tokens - 1] if id(req) in sampling else [])
+        return ForwardBatch.build(chunks, prefix, pages, rows, self.page_size, self.runner.device)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """n > 1: branches share the computed prompt's full pages; the partial page is copied."""
+        if parent.pending_forks == 0 or parent.num_computed_tokens != parent.num_prompt_tokens:
+            return []
+        children = []
+        num_full = parent.num_computed_tokens // self.page_size
+        partial = len(parent.pages) > num_full
+        for k in range(parent.pending_forks):
+            child = self.processor.make_branch(parent, index=k + 1)
+            if partial:
+                if self.pool.num_free < 1:
+                    self.cache.evict(1)
+                if self.pool.num_free < 1:
+                    # No page for the copy now: the branch re-admits later on a prefix hit.
+                    self.waiting.append(child)
+                    continue
+                new = self.pool.alloc(1)
+                self.runner.kv_cache.copy_pages([parent.pages[num_full]], new)
+            else:
+                new = []
+            self.pool.incref(parent.pages[:num_full])
+            child.pages = parent.pages[:num_full] + new
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.admitted_once = True
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            children.append(child)
+        parent.pending_forks = 0
+        return children
+
+    def _finish(self, req: Request, reason: str | None) -> None:
+        """Release a request's pages (caching its full pages first) and emit its last delta."""
+        if req.pages:
+            if req.num_computed_tokens > 0:
+                self._cache_computed(req)
+            self._release(req)
+        if reason is not None:
+            self.processor.finish(req, reason)
+
+    def fail_all(self, message: str) -> None:
+        """After an internal error: fail every request and release its pages (no caching: the
+        state of the failed step is not trusted)."""
+        for req in [*self.running, *self.waiting]:
+            self.pool.decref(req.pages)
+            req.pages = []
+            req.num_computed_tokens = 0
+            self.processor.fail(req, message)
+        self.running.clear()
+        self.waiting.clear()
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+        held: dict[int, int] = {}
+        for req in self.running:
+            for p in req.pages:
+                held[p] = held.get(p, 0) + 1
+        for req in self.waiting:
+            assert not req.pages, f"waiting request {req.request_id} holds pages"
+        for page in range(self.pool.num_pages):
+            assert self.pool.ref(page) == held.get(page, 0), (
+                f"page {page}: ref {self.pool.ref(page)} but held by {held.get(page, 0)} requests"
+            )

