@@ -116,7 +116,7 @@ class RadixCache:
             pages.extend(child.pages[:n])
             pos += n * ps
             if n < len(child.pages):
-                node = child
+                node = self._split(child, n)
                 break
             node = child
         self._touch(node)
@@ -202,7 +202,7 @@ class RadixCache:
             if take == len(node.pages):
                 parent = self._remove_leaf(node)
                 if not parent.is_root and not parent.children and self._free_tail(parent) > 0:
-                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
+                    pass
             else:
                 del node.pages[-take:]
                 node.key = node.key[: len(node.pages) * self.page_size]

@@ -41,6 +41,8 @@ class Engine:
         cfg = self.config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
+        self._num_threads = torch.get_num_threads()
         self.model_dir = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_info = load_model_info(self.model_dir)
@@ -278,6 +280,7 @@ class Engine:
     # ---- loop thread --------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)
         while not self._stopped.is_set():
             block = not self.scheduler.has_work()
             try:

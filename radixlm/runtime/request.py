@@ -79,6 +79,7 @@ class Request:
     pending_forks: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    _prompt_page_hashes: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -107,6 +108,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def prompt_page_hashes(self, page_size: int) -> list[int]:
+        """Chained hashes of the prompt's full pages: entry k identifies `prompt[: (k+1)*ps]`."""
+        if self._prompt_page_hashes is None:
+            hashes, h = [], 0
+            ids = self.prompt_token_ids
+            for end in range(page_size, len(ids) + 1, page_size):
+                h = hash((h, tuple(ids[end - page_size : end])))
+                hashes.append(h)
+            self._prompt_page_hashes = hashes
+        return self._prompt_page_hashes
 
     def pages_needed(self, num_tokens: int, page_size: int) -> int:
         """Extra pages to hold `num_tokens` tokens in total."""

@@ -29,6 +29,10 @@ from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
 
 logger = logging.getLogger(__name__)
 
+# A waiting request whose next this-many prompt tokens are being prefilled by a running request
+# waits for them to be cached instead of computing them again (SGLang's in-batch prefix caching).
+INBATCH_SHARE_TOKENS = 32
+
 
 @dataclass
 class ScheduledItem:
@@ -128,12 +132,15 @@ class Scheduler:
     def _admit(self, items: list[ScheduledItem]) -> None:
         cfg = self.config
         chunk_cap = cfg.chunked_prefill_size or math.inf
+        inflight = self._inflight_prefixes()
         for req in self.policy.order(self.waiting):
             if len(self.running) >= cfg.max_running_requests:
                 break
             budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
             if budget <= 0:
                 break
+            if self._shares_inflight_prefix(req, inflight):
+                continue  # wait for the leader's prefill to land in the cache, then hit it
             m = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.namespace)
             self.cache.lock(m.node)
             req.pages = list(m.pages)
@@ -162,6 +169,28 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append(ScheduledItem(req, n))
+            if self.cache.enabled:
+                inflight.update(req.prompt_page_hashes(self.page_size))
+
+    def _inflight_prefixes(self) -> set[int]:
+        """Page-prefix hashes of prompts still being prefilled (in-batch prefix sharing)."""
+        keys: set[int] = set()
+        if self.cache.enabled:
+            for r in self.running:
+                if r.num_computed_tokens < r.num_prompt_tokens:
+                    keys.update(r.prompt_page_hashes(self.page_size))
+        return keys
+
+    def _shares_inflight_prefix(self, req: Request, inflight: set[int]) -> bool:
+        """True when `INBATCH_SHARE_PAGES`+ pages beyond the cache hit are being computed by
+        a running prefill: admitting now would compute them twice."""
+        if not inflight or req.num_retractions:
+            return False
+        hit_pages = self.cache.peek_prefix_len(req.token_ids[: req.num_tokens - 1], req.namespace)
+        hit_pages //= self.page_size
+        want = hit_pages + max(1, INBATCH_SHARE_TOKENS // self.page_size) - 1
+        hashes = req.prompt_page_hashes(self.page_size)
+        return want < len(hashes) - 1 and hashes[want] in inflight
 
     def _alloc_for_admission(self, req: Request, total_tokens: int) -> bool:
         """Allocate for a new admission, keeping one page of headroom per running request."""
@@ -247,8 +276,7 @@ class Scheduler:
             req.num_computed_tokens += item.num_tokens
             if was_prefill:
                 self.total_computed_prompt_tokens += item.num_tokens
-                if req.num_computed_tokens >= req.num_prompt_tokens:
-                    self._cache_computed(req)  # share the prompt with later arrivals
+                self._cache_computed(req)  # share each computed chunk with later arrivals
         reqs = [i.req for i in sample_items]
         rows = list(range(len(reqs)))
         for row, req in enumerate(list(reqs)):

@@ -50,10 +50,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config, head_dim)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        with torch.device("cpu"):  # real tables even when the model is built on meta
+            inv_freq, scaling = rope_inv_freq(config, head_dim)
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [P, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 

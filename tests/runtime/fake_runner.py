@@ -1,0 +1,52 @@
+"""A fake model runner whose next token depends on the whole context *as read back from the
+paged KV cache*, so scheduling bugs (wrong page tables, lost prefix, bad copy-on-write) change the
+output. K slot value = token id + 1 (0 means never written)."""
+
+from __future__ import annotations
+
+import torch
+
+from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+
+VOCAB = 64
+EOS = 2
+
+
+def reference_next(context: list[int]) -> int:
+    """The token the fake model emits after `context` (never EOS or the other low ids)."""
+    return (sum(context) * 31 + len(context)) % (VOCAB - 3) + 3
+
+
+def reference_continuation(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(reference_next(ctx))
+    return ctx[len(prompt) :]
+
+
+class FakeRunner:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.device = torch.device("cpu")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.vocab_size = VOCAB
+        self.kv_cache = KVCache.allocate(1, num_pages, page_size, 1, 1, torch.float32, "cpu")
+        self.batches: list[ForwardBatch] = []
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V]
+        self.batches.append(batch)
+        k = self.kv_cache.k_buffers[0]
+        k[batch.out_cache_loc, 0, 0] = batch.input_ids.float() + 1
+        rows = batch.logits_indices.tolist()
+        logits = torch.zeros(len(rows), VOCAB)
+        indptr = batch.qo_indptr.tolist()
+        for r, row in enumerate(rows):
+            i = next(j for j in range(batch.batch_size) if indptr[j] <= row < indptr[j + 1])
+            seq_len = int(batch.prefix_lens[i]) + (row - indptr[i]) + 1
+            pages = batch.page_table[i].tolist()
+            slots = [pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(seq_len)]
+            vals = k[slots, 0, 0]
+            assert bool((vals > 0).all()), f"request {i}: context slot never written"
+            context = [int(v) - 1 for v in vals]
+            logits[r, reference_next(context)] = 10.0
+        return logits
