@@ -123,6 +123,19 @@ class RadixCache:
         self._hit_tokens += pos
         return MatchResult(pages, pos, node)
 
+    def peek_prefix_len(self, tokens: Sequence[int], namespace: Hashable | None = None) -> int:
+        """Tokens ``match_prefix`` would match, read-only: no split, no LRU touch, no stats."""
+        root = self._roots.get(namespace)
+        ps, node, pos = self.page_size, root, 0
+        while self.enabled and node is not None and pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child, tokens, pos)
+            pos += n * ps
+            node = child if n == len(child.pages) else None
+        return pos
+
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
     ) -> list[int]:
@@ -202,7 +215,7 @@ class RadixCache:
             if take == len(node.pages):
                 parent = self._remove_leaf(node)
                 if not parent.is_root and not parent.children and self._free_tail(parent) > 0:
-                    pass
+                    heapq.heappush(heap, (parent.last_access, next(tie), parent))
             else:
                 del node.pages[-take:]
                 node.key = node.key[: len(node.pages) * self.page_size]
@@ -216,7 +229,7 @@ class RadixCache:
         """Pages ``evict`` could free right now (O(tree))."""
         total = 0
         cleared: dict[TreeNode, bool] = {}
-        for node in self._postorder():
+        for node in reversed(list(self._nodes())):  # children before parents
             if node.is_root:
                 continue
             tail = self._free_tail(node) if all(cleared[c] for c in node.children.values()) else 0
@@ -393,6 +406,3 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def _postorder(self) -> list[TreeNode]:
-        return list(reversed(list(self._nodes())))

@@ -49,7 +49,7 @@ class OutputProcessor:
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
         if req.params.seed is not None:
-            req.generator = make_generator(req.params.seed + req.index, self.device)
+            req.generator = make_generator((req.params.seed + req.index) % (1 << 64), self.device)
 
     def make_branch(self, parent: Request, index: int) -> Request:
         child = Request(

@@ -7,20 +7,25 @@ Order of operations (vLLM):
    ``-inf``;
 2. repetition (prompt + output tokens), frequency and presence (output tokens) penalties;
 3. greedy rows take the argmax of these logits;
-4. the other rows: divide by temperature, then filter min-p (relative to the top probability),
-   top-k, and top-p (over the probabilities renormalized after min-p and top-k), then sample.
+4. the other rows: divide by temperature, drop tokens below ``min_p * max_prob``, then keep the
+   ``top_k`` most likely and, of those (renormalized), the smallest prefix whose probability
+   reaches ``top_p``; sample from what is left.
 
 Invariants:
 
 - The same logits row, sampling params and seeded generator give the same token whatever the
-  other rows of the batch are: every op is row-wise and sampling happens in vocabulary order.
+  other rows of the batch are: every op is row-wise, every per-row decision (including which
+  top-k candidate width to use) depends on that row only, and each row draws one uniform number
+  from its own generator (inverse-CDF sampling in vocabulary order).
 - ``logprobs`` are those of the *raw* model distribution (``log_softmax`` of the unmodified
   logits), like vLLM's default ``raw_logprobs``.
 - The caller's ``logits`` tensor is never modified.
+- Every row must leave at least one token allowed (``vocab_mask`` / suppressed ids).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +34,14 @@ from torch import Tensor
 
 from radixlm.runtime.sampling_params import SamplingParams
 
+# Top-k / top-p try these candidate widths (torch.topk) before a full sort of the vocabulary.
+CANDIDATE_WIDTHS = (64, 1024)
+
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A per-request generator; the scheduler keeps it across the request's steps."""
+    """A per-request generator; the scheduler keeps it across the request's steps. The sampler
+    draws one number per step from it, so a CPU generator is cheap even for GPU logits and
+    makes a seed give the same tokens on every device type (given the same logits)."""
     return torch.Generator(device=device).manual_seed(seed)
 
 
@@ -46,30 +56,15 @@ def min_tokens_suppress_ids(
     return [*params.stop_token_ids, *eos]
 
 
-def _count_tokens(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> Tensor:
-    """Per-row token counts as a dense ``[B, V]`` float32 tensor (one scatter_add)."""
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)  # [B, V]
-    lengths = [len(r) for r in rows]
-    if sum(lengths) == 0:
-        return counts
-    flat = [t for r in rows for t in r]
-    ids = torch.tensor(flat, dtype=torch.int64, device=device)  # [T]
-    row_idx = torch.repeat_interleave(
-        torch.arange(len(rows), device=device), torch.tensor(lengths, device=device)
-    )  # [T]
-    counts.view(-1).index_add_(
-        0, row_idx * vocab_size + ids, torch.ones_like(ids, dtype=counts.dtype)
-    )
-    return counts
-
-
 @dataclass
 class SamplingBatchInfo:
-    """Per-step sampling state for a batch of ``B`` rows, built on CPU lists once per step.
+    """Per-step sampling state for a batch of ``B`` rows, built from CPU lists once per step.
 
     Disabled filters hold neutral values: ``top_ks == vocab_size``, ``top_ps == 1``,
     ``min_ps == 0``; greedy rows hold ``temperatures == 1`` (they are argmaxed, never divided).
-    The ``need_*`` flags are computed on the CPU so the sampler never syncs to decide a path.
+    Penalties are sparse: one entry per distinct (row, token) seen in the row's prompt or output,
+    for rows that need penalties. Python-side lists and flags let the sampler choose its path
+    without reading tensors back.
     """
 
     temperatures: Tensor  # [B] float32
@@ -80,16 +75,17 @@ class SamplingBatchInfo:
     generators: list[torch.Generator | None]
     logprobs: list[bool]
     top_logprobs: list[int]
+    top_k_list: list[int]  # == top_ks, on the CPU
+    top_p_list: list[float]  # == top_ps, on the CPU
     suppress_token_ids: list[list[int]] | None = None
-    # Penalties: all None unless some row needs them.
-    repetition_penalties: Tensor | None = None  # [B] float32
+    repetition_penalties: Tensor | None = None  # [B] float32, None unless a row needs penalties
     frequency_penalties: Tensor | None = None  # [B] float32
     presence_penalties: Tensor | None = None  # [B] float32
-    output_counts: Tensor | None = None  # [B, V] float32, counts of generated tokens
-    prompt_mask: Tensor | None = None  # [B, V] bool, token occurs in the prompt
+    penalty_rows: Tensor | None = None  # [N] int64
+    penalty_tokens: Tensor | None = None  # [N] int64, distinct per row
+    penalty_counts: Tensor | None = None  # [N] float32, occurrences in the output (0: prompt only)
     need_min_p: bool = False
-    need_top_k: bool = False
-    need_top_p: bool = False
+    need_top_k_top_p: bool = False
     all_greedy: bool = field(init=False)
     need_logprobs: bool = field(init=False)
 
@@ -99,7 +95,7 @@ class SamplingBatchInfo:
 
     @property
     def need_penalties(self) -> bool:
-        return self.repetition_penalties is not None
+        return self.penalty_rows is not None
 
     @property
     def batch_size(self) -> int:
@@ -117,46 +113,74 @@ class SamplingBatchInfo:
         suppress_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplingBatchInfo:
         """Build the batch state. ``suppress_token_ids[i]`` are banned for row ``i`` this step
-        (the scheduler passes EOS / stop ids while the output is shorter than min_new_tokens).
-        ``prompt_ids`` / ``output_ids`` are only read when some row needs penalties."""
+        (see ``min_tokens_suppress_ids``). ``prompt_ids`` / ``output_ids`` are only read for
+        rows that need penalties. ``vocab_size`` is the logits width."""
         batch = len(params)
         if not (len(generators) == len(prompt_ids) == len(output_ids) == batch):
             raise ValueError("params, generators, prompt_ids and output_ids must have equal length")
+        if suppress_token_ids is not None and len(suppress_token_ids) != batch:
+            raise ValueError("suppress_token_ids must have one entry per row")
         device = torch.device(device)
-        greedy = [p.is_greedy for p in params]
-        sampled = [p for p in params if not p.is_greedy]  # the filters only matter for these
-        top_ks = [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params]
 
         def f32(values: list[float]) -> Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)  # [B]
 
-        if suppress_token_ids is not None and len(suppress_token_ids) != batch:
-            raise ValueError("suppress_token_ids must have one entry per row")
+        sampled = [p for p in params if not p.is_greedy]  # the filters only matter for these
+        top_ks = [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params]
+        top_ps = [p.top_p for p in params]
         info = cls(
             temperatures=f32([1.0 if p.is_greedy else p.temperature for p in params]),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=f32([p.top_p for p in params]),
+            top_ps=f32(top_ps),
             min_ps=f32([p.min_p for p in params]),
-            is_greedy=greedy,
+            is_greedy=[p.is_greedy for p in params],
             generators=list(generators),
             logprobs=[p.logprobs for p in params],
             top_logprobs=[p.top_logprobs for p in params],
+            top_k_list=top_ks,
+            top_p_list=top_ps,
             suppress_token_ids=(
                 [list(s) for s in suppress_token_ids]
                 if suppress_token_ids is not None and any(suppress_token_ids)
                 else None
             ),
             need_min_p=any(p.min_p > 0 for p in sampled),
-            need_top_k=any(0 < p.top_k < vocab_size for p in sampled),
-            need_top_p=any(p.top_p < 1 for p in sampled),
+            need_top_k_top_p=any(0 < p.top_k < vocab_size or p.top_p < 1 for p in sampled),
         )
         if any(p.needs_penalties for p in params):
-            info.repetition_penalties = f32([p.repetition_penalty for p in params])
-            info.frequency_penalties = f32([p.frequency_penalty for p in params])
-            info.presence_penalties = f32([p.presence_penalty for p in params])
-            info.output_counts = _count_tokens(output_ids, vocab_size, device)
-            info.prompt_mask = _count_tokens(prompt_ids, vocab_size, device) > 0
+            info._set_penalties(params, prompt_ids, output_ids, device)
         return info
+
+    def _set_penalties(
+        self,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        device: torch.device,
+    ) -> None:
+        rows: list[int] = []
+        tokens: list[int] = []
+        counts: list[int] = []
+        for i, p in enumerate(params):
+            if not p.needs_penalties:
+                continue
+            out = Counter(output_ids[i])
+            prompt_only = set(prompt_ids[i]).difference(out)
+            rows.extend([i] * (len(out) + len(prompt_only)))
+            tokens.extend(out.keys())
+            tokens.extend(prompt_only)
+            counts.extend(out.values())
+            counts.extend([0] * len(prompt_only))
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        self.repetition_penalties = f32([p.repetition_penalty for p in params])
+        self.frequency_penalties = f32([p.frequency_penalty for p in params])
+        self.presence_penalties = f32([p.presence_penalty for p in params])
+        self.penalty_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.penalty_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        self.penalty_counts = f32(counts)
 
 
 @dataclass
@@ -171,43 +195,95 @@ class SampleOutput:
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """vLLM penalties, out of place. Repetition applies to prompt and output tokens (divide
-    positive logits, multiply non-positive ones); frequency subtracts ``f * count`` and presence
+    positive logits, multiply the others); frequency subtracts ``f * count`` and presence
     subtracts ``p * [count > 0]``, both over output tokens only."""
-    assert info.output_counts is not None and info.prompt_mask is not None
+    rows, toks, counts = info.penalty_rows, info.penalty_tokens, info.penalty_counts
+    assert rows is not None and toks is not None and counts is not None
     assert info.repetition_penalties is not None
     assert info.frequency_penalties is not None and info.presence_penalties is not None
-    counts = info.output_counts  # [B, V]
-    seen = info.prompt_mask | (counts > 0)  # [B, V]
-    rep = torch.where(seen, info.repetition_penalties[:, None], 1.0)  # [B, V]
-    logits = torch.where(logits > 0, logits / rep, logits * rep)  # [B, V]
-    logits = logits - info.frequency_penalties[:, None] * counts
-    return logits - info.presence_penalties[:, None] * (counts > 0).to(logits.dtype)
+    vals = logits[rows, toks]  # [N]
+    rep = info.repetition_penalties[rows]  # [N]
+    vals = torch.where(vals > 0, vals / rep, vals * rep)
+    vals = vals - info.frequency_penalties[rows] * counts
+    vals = vals - info.presence_penalties[rows] * (counts > 0).to(vals.dtype)
+    return logits.index_put((rows, toks), vals)
+
+
+def apply_min_p(logits: Tensor, min_ps: Tensor) -> Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the top probability."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_ps[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, -torch.inf)
+
+
+def _keep_in_candidates(
+    x: Tensor, width: int, top_ks: Tensor, top_ps: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Top-k then top-p over the ``width`` most likely tokens of each row of ``x`` ``[R, V]``.
+    Returns (keep ``[R, V]`` bool, covered ``[R]`` bool): a row is covered when tokens outside
+    the candidates are certainly dropped, i.e. its kept set is exact."""
+    vocab = x.shape[-1]
+    if width < vocab:
+        vals, idx = x.topk(width, dim=-1)  # [R, W], sorted descending
+    else:
+        vals, idx = x.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    probs = (vals - x.logsumexp(dim=-1, keepdim=True)).exp()  # [R, W] of the full distribution
+    ranks = torch.arange(vals.shape[-1], device=x.device)  # [W]
+    drop = ranks[None, :] >= top_ks[:, None]  # [R, W]
+    kept = probs.masked_fill(drop, 0.0)
+    mass = kept.sum(dim=-1)  # [R] probability of the top-k tokens among the candidates
+    k_inside = top_ks <= width  # [R] else top-k is disabled or wider than the candidates
+    norm = torch.where(k_inside, mass, 1.0)  # [R] mass of the top-k set when it is known
+    before = (kept.cumsum(dim=-1) - kept) / norm[:, None]  # [R, W] exclusive cumulative prob
+    top_p = torch.where(top_ps < 1.0, top_ps, torch.inf)  # [R]
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False
+    # Without top-k (top_k == vocab) the top-p prefix is inside once the candidates' mass
+    # reaches top_p; a top-k wider than the candidates needs its full mass: not covered.
+    covered = k_inside | ((top_ks >= vocab) & (mass >= top_p)) | (width >= vocab)  # [R]
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, idx, ~drop)  # [R, V]
+    return keep, covered
+
+
+def apply_top_k_top_p(
+    logits: Tensor, top_ks: Tensor, top_ps: Tensor, top_k_list: list[int], top_p_list: list[float]
+) -> Tensor:
+    """Keep the ``top_k`` most likely tokens, then the smallest prefix of those (renormalized)
+    whose probability reaches ``top_p``; the top token always survives. Candidates come from
+    ``torch.topk`` at growing widths (``CANDIDATE_WIDTHS``) and a full sort only for rows
+    whose kept set is not inside them; the result equals a full sort's."""
+    vocab = logits.shape[-1]
+    pending = [
+        i for i, (k, p) in enumerate(zip(top_k_list, top_p_list, strict=True)) if k < vocab or p < 1
+    ]
+    keep = torch.ones_like(logits, dtype=torch.bool)  # [B, V]
+    for width in (*[w for w in CANDIDATE_WIDTHS if w < vocab], vocab):
+        if not pending:
+            break
+        if len(pending) == len(top_k_list):
+            keep, covered = _keep_in_candidates(logits, width, top_ks, top_ps)
+        else:
+            rows = torch.tensor(pending, device=logits.device)  # [R]
+            sub = _keep_in_candidates(logits[rows], width, top_ks[rows], top_ps[rows])
+            keep[rows], covered = sub
+        pending = [i for i, c in zip(pending, covered.tolist(), strict=True) if not c]
+    return logits.masked_fill(~keep, -torch.inf)
 
 
 def filter_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
-    """Apply min-p, top-k and top-p (in that order) with one sort; banned logits become -inf.
-    The top token always survives. ``logits`` are already temperature-scaled."""
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    probs = sorted_logits.softmax(dim=-1)  # [B, V]
-    drop = torch.zeros_like(probs, dtype=torch.bool)  # [B, V]
+    """min-p, then top-k / top-p, for every row of ``logits`` ``[B, V]`` (already divided by
+    the temperature); filtered tokens become -inf. The sampler does the same on its rows."""
     if info.need_min_p:
-        drop |= probs < info.min_ps[:, None] * probs[:, :1]
-    if info.need_top_k:
-        ranks = torch.arange(probs.shape[-1], device=probs.device)  # [V]
-        drop |= ranks[None, :] >= info.top_ks[:, None]
-    if info.need_top_p:
-        kept = probs.masked_fill(drop, 0.0)  # [B, V]
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        before = kept.cumsum(dim=-1) - kept  # [B, V] exclusive cumulative probability
-        top_p = torch.where(info.top_ps < 1.0, info.top_ps, torch.inf)  # [B]
-        drop |= before >= top_p[:, None]
-    drop[:, 0] = False
-    drop_vocab = torch.empty_like(drop).scatter_(1, sorted_idx, drop)  # [B, V] in vocab order
-    return logits.masked_fill(drop_vocab, -torch.inf)
+        logits = apply_min_p(logits, info.min_ps)
+    if info.need_top_k_top_p:
+        logits = apply_top_k_top_p(
+            logits, info.top_ks, info.top_ps, info.top_k_list, info.top_p_list
+        )
+    return logits
 
 
 class Sampler:
-    """Stateless batched sampler (except for the optional default generator).
+    """Batched sampler; stateless except for the optional default generator.
 
     ``seed`` seeds a sampler-owned generator used for rows without their own generator;
     without it those rows use torch's global RNG.
@@ -230,9 +306,9 @@ class Sampler:
     ) -> SampleOutput:
         """Sample one token per row. ``logits`` is ``[B, V]`` of any float dtype (computed in
         float32). ``vocab_mask`` is an optional bool ``[B, V]`` allow-list (True = allowed),
-        e.g. a grammar mask unpacked from a bitmask; a row must allow at least one token."""
+        e.g. a grammar bitmask unpacked by the caller."""
         if info.all_greedy and not info.need_penalties and not info.need_logprobs:
-            # Hot path: argmax is exact in the input dtype, no float32 copy, no sort.
+            # Hot path: argmax is exact in the input dtype; no float32 copy, no sort.
             x = self._mask(logits, info, vocab_mask)
             return SampleOutput(next_token_ids=x.argmax(dim=-1).tolist())
 
@@ -240,11 +316,15 @@ class Sampler:
         x = self._mask(raw, info, vocab_mask)
         if info.need_penalties:
             x = apply_penalties(x, info)
-        next_ids = x.argmax(dim=-1)  # [B]
-        if not info.all_greedy:
-            sampled = self._sample(x, info)  # [B]
-            greedy = torch.tensor(info.is_greedy, device=x.device)  # [B]
-            next_ids = torch.where(greedy, next_ids, sampled)
+        rows = [i for i, g in enumerate(info.is_greedy) if not g]
+        if not rows:
+            next_ids = x.argmax(dim=-1)  # [B]
+        elif len(rows) == info.batch_size:
+            next_ids = self._sample(x, info, rows)
+        else:
+            next_ids = x.argmax(dim=-1)
+            idx = torch.tensor(rows, device=x.device)  # [R]
+            next_ids[idx] = self._sample(x[idx], info, rows)
         return self._with_logprobs(raw, next_ids, info)
 
     @staticmethod
@@ -259,25 +339,42 @@ class Sampler:
             x = x.index_put((rows, cols), torch.tensor(-torch.inf, dtype=x.dtype, device=x.device))
         return x
 
-    def _sample(self, x: Tensor, info: SamplingBatchInfo) -> Tensor:
-        x = x / info.temperatures[:, None]  # [B, V]
-        if info.need_min_p or info.need_top_k or info.need_top_p:
-            x = filter_logits(x, info)
-        probs = x.softmax(dim=-1)  # [B, V]
-        out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)  # [B]
-        shared = [
-            i
-            for i, (g, greedy) in enumerate(zip(info.generators, info.is_greedy, strict=True))
-            if g is None and not greedy
-        ]
+    def _sample(self, x: Tensor, info: SamplingBatchInfo, rows: list[int]) -> Tensor:
+        """Sample rows ``rows`` of the batch; ``x`` ``[R, V]`` holds exactly those rows."""
+        idx = torch.tensor(rows, device=x.device) if len(rows) < info.batch_size else None
+
+        def sel(t: Tensor) -> Tensor:
+            return t if idx is None else t[idx]
+
+        x = x / sel(info.temperatures)[:, None]  # [R, V]
+        if info.need_min_p:
+            x = apply_min_p(x, sel(info.min_ps))
+        if info.need_top_k_top_p:
+            ks = [info.top_k_list[i] for i in rows]
+            ps = [info.top_p_list[i] for i in rows]
+            x = apply_top_k_top_p(x, sel(info.top_ks), sel(info.top_ps), ks, ps)
+        cdf = x.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+        total = cdf[:, -1:]  # [R, 1] ~1
+        u = self._uniforms(info, rows, x.device)  # [R]
+        picked = torch.searchsorted(cdf, u[:, None] * total, right=True)  # [R, 1]
+        # NOTE: rounding can put u * total at total; the last positive-probability token is the
+        # first index where the cdf reaches its total.
+        last = (cdf < total).sum(dim=-1, keepdim=True)  # [R, 1]
+        return torch.minimum(picked, last).squeeze(1)
+
+    def _uniforms(self, info: SamplingBatchInfo, rows: list[int], device: torch.device) -> Tensor:
+        """One U[0, 1) per sampled row: seeded rows from their own generator, the others from
+        the shared default, so a seeded row's draw never depends on the rest of the batch."""
+        u = torch.empty(len(rows), dtype=torch.float32, device=device)  # [R]
+        shared = [j for j, i in enumerate(rows) if info.generators[i] is None]
         if shared:
-            idx = torch.tensor(shared, device=probs.device)
-            gen = self._default_generator(probs.device)
-            out[idx] = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
-        for i, gen in enumerate(info.generators):
-            if gen is not None and not info.is_greedy[i]:
-                out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
-        return out
+            gen = self._default_generator(device)
+            u[shared] = torch.rand(len(shared), generator=gen, device=device)
+        for j, i in enumerate(rows):
+            gen = info.generators[i]
+            if gen is not None:  # a CPU generator works with device logits too
+                u[j] = torch.rand(1, generator=gen, device=gen.device)[0].to(device)
+        return u
 
     @staticmethod
     def _with_logprobs(raw: Tensor, next_ids: Tensor, info: SamplingBatchInfo) -> SampleOutput:
@@ -286,17 +383,16 @@ class Sampler:
         logp = raw.log_softmax(dim=-1)  # [B, V]
         chosen = logp.gather(1, next_ids[:, None]).squeeze(1)  # [B]
         k = max(info.top_logprobs)
-        top_vals, top_ids = logp.topk(k, dim=-1) if k > 0 else (None, None)  # [B, k]
         ids_l, chosen_l = next_ids.tolist(), chosen.tolist()
-        vals_l = top_vals.tolist() if top_vals is not None else None
-        tids_l = top_ids.tolist() if top_ids is not None else None
+        top_vals: list[list[float]] = [[] for _ in ids_l]
+        top_ids: list[list[int]] = [[] for _ in ids_l]
+        if k > 0:
+            vals, tids = logp.topk(k, dim=-1)  # [B, k], descending
+            top_vals, top_ids = vals.tolist(), tids.tolist()
         logprobs: list[float | None] = []
         tops: list[list[tuple[int, float]] | None] = []
         for i, want in enumerate(info.logprobs):
-            logprobs.append(chosen_l[i] if want else None)
             n = info.top_logprobs[i]
-            if want and vals_l is not None and tids_l is not None:
-                tops.append(list(zip(tids_l[i][:n], vals_l[i][:n], strict=True)))
-            else:
-                tops.append([] if want else None)
+            logprobs.append(chosen_l[i] if want else None)
+            tops.append(list(zip(top_ids[i][:n], top_vals[i][:n], strict=True)) if want else None)
         return SampleOutput(next_token_ids=ids_l, logprobs=logprobs, top_logprobs=tops)

@@ -29,9 +29,9 @@ from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
 
 logger = logging.getLogger(__name__)
 
-# A waiting request whose next this-many prompt tokens are being prefilled by a running request
-# waits for them to be cached instead of computing them again (SGLang's in-batch prefix caching).
-INBATCH_SHARE_TOKENS = 32
+# A waiting request whose next page of prompt beyond its cache hit is being prefilled by a running
+# request waits for that prefill to land in the cache instead of computing it again (in-batch
+# prefix caching; the leader caches each chunk as it completes, so the wait is a step or a few).
 
 
 @dataclass
@@ -182,15 +182,14 @@ class Scheduler:
         return keys
 
     def _shares_inflight_prefix(self, req: Request, inflight: set[int]) -> bool:
-        """True when `INBATCH_SHARE_PAGES`+ pages beyond the cache hit are being computed by
-        a running prefill: admitting now would compute them twice."""
+        """True when the page after the cache hit is being computed by a running prefill:
+        admitting now would compute it twice."""
         if not inflight or req.num_retractions:
             return False
         hit_pages = self.cache.peek_prefix_len(req.token_ids[: req.num_tokens - 1], req.namespace)
         hit_pages //= self.page_size
-        want = hit_pages + max(1, INBATCH_SHARE_TOKENS // self.page_size) - 1
         hashes = req.prompt_page_hashes(self.page_size)
-        return want < len(hashes) - 1 and hashes[want] in inflight
+        return hit_pages < len(hashes) - 1 and hashes[hit_pages] in inflight
 
     def _alloc_for_admission(self, req: Request, total_tokens: int) -> bool:
         """Allocate for a new admission, keeping one page of headroom per running request."""

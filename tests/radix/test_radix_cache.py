@@ -69,6 +69,19 @@ def test_match_inside_node_splits_and_lock_holds_exactly_the_match() -> None:
     cache.check_integrity()
 
 
+def test_peek_prefix_len_is_read_only() -> None:
+    cache = make(page_size=2)
+    run_request(cache, [1, 2, 3, 4, 5, 6])
+    before = cache.stats()
+    assert cache.peek_prefix_len([1, 2, 3, 4, 9, 9]) == 4
+    assert cache.peek_prefix_len([1, 2, 3, 4, 5]) == 4
+    assert cache.peek_prefix_len([1, 2, 3, 4, 5, 6, 7, 8]) == 6
+    assert cache.peek_prefix_len([1, 2, 3, 4], "other") == 0
+    assert cache.stats() == before  # no split, no hit/query counting
+    assert make(enabled=False).peek_prefix_len([1, 2]) == 0
+    cache.check_integrity()
+
+
 def test_insert_splits_and_returns_tree_pages() -> None:
     cache = make(page_size=1)
     pool = cache.pool

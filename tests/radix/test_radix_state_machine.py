@@ -58,7 +58,9 @@ class RadixMachine(RuleBasedStateMachine):
         return pages
 
     def checked_match(self, tokens: list[int], ns: Hashable | None):
+        peek = self.cache.peek_prefix_len(tokens, ns)
         m = self.cache.match_prefix(tokens, ns)
+        assert peek == m.num_tokens
         assert m.num_tokens == len(m.pages) * self.ps
         assert m.num_tokens <= len(tokens)
         assert m.pages == self.expected_match(tokens, ns)

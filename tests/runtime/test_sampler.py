@@ -54,11 +54,28 @@ def test_build_neutral_values_and_flags() -> None:
     assert info.top_ks.tolist() == [3, 10, 2]
     assert info.temperatures.tolist() == [1.0, 1.0, 1.0]
     assert info.is_greedy == [True, False, False]
-    assert info.need_top_k and info.need_top_p and info.need_min_p
+    assert info.top_k_list == [3, 10, 2]
+    assert info.need_top_k_top_p and info.need_min_p
     assert not info.all_greedy and not info.need_penalties and not info.need_logprobs
     greedy_only = build([SamplingParams(temperature=0, top_p=0.5, min_p=0.2)])
     assert greedy_only.all_greedy
-    assert not (greedy_only.need_top_p or greedy_only.need_min_p or greedy_only.need_top_k)
+    assert not (greedy_only.need_top_k_top_p or greedy_only.need_min_p)
+    assert not build([SamplingParams(top_k=V)]).need_top_k_top_p  # top_k >= vocab: disabled
+
+
+def test_penalty_entries_are_sparse_and_distinct() -> None:
+    params = [SamplingParams(presence_penalty=0.5), SamplingParams()]
+    info = build(params, prompt_ids=[[1, 1, 2], [0]], output_ids=[[2, 3, 3], [4]])
+    assert info.penalty_rows is not None and info.penalty_tokens is not None
+    assert info.penalty_counts is not None
+    entries = zip(
+        info.penalty_rows.tolist(),
+        info.penalty_tokens.tolist(),
+        info.penalty_counts.tolist(),
+        strict=True,
+    )
+    assert sorted(entries) == [(0, 1, 0.0), (0, 2, 1.0), (0, 3, 2.0)]
+    assert not build([SamplingParams()] * 2).need_penalties
 
 
 def test_greedy_equals_argmax_any_dtype() -> None:
@@ -137,6 +154,48 @@ def test_sampling_never_leaves_filtered_set() -> None:
     assert set(out.next_token_ids) == keep
 
 
+def reference_filter(logits: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Kept token ids for one row, the slow obvious way (full sort, Python loops)."""
+    probs = logits.double().softmax(-1)
+    alive = [i for i in range(len(probs)) if probs[i] >= p.min_p * probs.max()]
+    alive.sort(key=lambda i: -probs[i].item())
+    if p.top_k > 0:
+        alive = alive[: p.top_k]
+    mass = sum(probs[i].item() for i in alive)
+    kept, cum = [], 0.0
+    for i in alive:
+        if p.top_p < 1 and cum >= p.top_p and kept:
+            break
+        kept.append(i)
+        cum += probs[i].item() / mass
+    return set(kept)
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 10.0])
+def test_filters_match_reference_on_a_large_vocab(spread: float) -> None:
+    """Covers every candidate width (64, 1024, full sort) on peaked and flat distributions."""
+    torch.manual_seed(11)
+    vocab = 3000
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.99),
+        SamplingParams(top_p=0.3, top_k=2000),
+        SamplingParams(top_k=40),
+        SamplingParams(top_k=100, top_p=0.8),
+        SamplingParams(top_k=1500),
+        SamplingParams(min_p=0.05, top_p=0.95),
+        SamplingParams(min_p=0.2),
+        SamplingParams(),
+    ]
+    logits = torch.randn(len(params), vocab) * spread
+    out = filter_logits(logits, build(params, vocab_size=vocab))
+    for row, p in enumerate(params):
+        kept = set(torch.nonzero(out[row] > -torch.inf).flatten().tolist())
+        ref = reference_filter(logits[row], p)
+        # float32 vs float64 may disagree on a token sitting exactly at a threshold
+        assert len(kept ^ ref) <= 1, (p, len(kept), len(ref))
+
+
 def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
     expected = probs.double() * len(tokens)
     return float(((counts_of(tokens) - expected) ** 2 / expected).sum())
@@ -150,6 +209,22 @@ def test_temperature_sampling_matches_softmax() -> None:
     # df = 4: the 0.999 quantile of chi2 is 18.5; the wrong temperature is far above it.
     assert chi_square(tokens, (logits / temp).softmax(-1)) < 18.5
     assert chi_square(tokens, logits.softmax(-1)) > 100
+
+
+def test_filtered_sampling_matches_renormalized_probs() -> None:
+    logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0])
+    n = 20000
+    info = build([SamplingParams(top_k=3, temperature=1.0)] * n)
+    tokens = Sampler(seed=321)(logits.expand(n, V), info).next_token_ids
+    expected = logits.masked_fill(logits < logits.topk(3).values[-1], -torch.inf).softmax(-1)
+    keep = expected > 0
+    assert chi_square_on(tokens, expected, keep) < 13.8  # df = 2, 0.999 quantile
+
+
+def chi_square_on(tokens: list[int], probs: torch.Tensor, keep: torch.Tensor) -> float:
+    assert counts_of(tokens)[~keep].sum() == 0
+    expected = probs.double()[keep] * len(tokens)
+    return float(((counts_of(tokens)[keep] - expected) ** 2 / expected).sum())
 
 
 def test_seeded_row_is_independent_of_batch_composition() -> None:

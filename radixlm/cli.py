@@ -1,0 +1,123 @@
+"""`radixlm` console script. `radixlm generate`: offline generation on the default model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import MISSING, fields
+from typing import Any
+
+from radixlm.config import CacheConfig, EngineConfig, SchedulerConfig
+
+_HELP = {
+    "model": "local HF model dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
+    "dtype": "bfloat16 | float16 | float32",
+    "device": "cuda | cpu (default: cuda if available)",
+    "attention_backend": "auto | torch | triton",
+    "num_threads": "torch CPU threads",
+    "seed": "seed for requests without their own",
+    "debug_integrity": "check KV page accounting after every step (slow)",
+    "page_size": "tokens per KV page",
+    "num_pages": "KV pool size in pages (overrides the memory budget)",
+    "kv_memory_bytes": "KV pool budget in bytes",
+    "kv_memory_fraction": "KV pool budget as a fraction of free memory",
+    "enable_prefix_caching": "share KV pages across requests by prefix (radix cache)",
+    "max_running_requests": "most requests decoding at once",
+    "max_batched_tokens": "token budget of one forward (prefill chunks + decodes)",
+    "chunked_prefill_size": "largest prefill chunk per request (0: no chunking)",
+    "schedule_policy": "lpm | fcfs",
+    "aging_tokens_per_second": "LPM aging: waited seconds worth this many matched tokens",
+    "max_model_len": "context length cap (default: the model's)",
+}
+
+
+def _str2bool(v: str) -> bool:
+    if v.lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {v!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine knob, generated from the config dataclasses."""
+    group = parser.add_argument_group("engine")
+    for cls in (EngineConfig, CacheConfig, SchedulerConfig):
+        for f in fields(cls):
+            if f.name in ("cache", "scheduler"):
+                continue
+            default = f.default if f.default is not MISSING else None
+            kind = str(f.type)
+            if "bool" in kind:
+                typ: Any = _str2bool
+            elif "float" in kind:
+                typ = float
+            elif "int" in kind:
+                typ = int
+            else:
+                typ = str
+            group.add_argument(
+                "--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=default,
+                help=f"{_HELP.get(f.name, f.name)} (default: {default})",
+            )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for cls in (EngineConfig, CacheConfig, SchedulerConfig) for f in fields(cls)}
+    kw = {k: v for k, v in vars(args).items() if k in names and k not in ("cache", "scheduler")}
+    if kw.get("chunked_prefill_size") == 0:
+        kw["chunked_prefill_size"] = None
+    return kw
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from radixlm import Engine, SamplingParams
+
+    engine = Engine(**engine_kwargs(args))
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p
+        )
+        for prompt in args.prompt:
+            text = prompt
+            if args.chat:
+                text = engine.apply_chat_template([{"role": "user", "content": prompt}])
+            print(f">>> {prompt}")
+            t0 = time.perf_counter()
+            n = 0
+            for delta in engine.stream(text, params):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                n += len(delta.token_ids)
+                if delta.error:
+                    print(f"\nerror: {delta.error}", file=sys.stderr)
+            dt = time.perf_counter() - t0
+            print(f"\n[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s]")
+        s = engine.stats()
+        print(f"[cache hit rate {s.cache_hit_rate:.2f}; KV pages used/cached/free "
+              f"{s.kv_pages_used}/{s.kv_pages_cached}/{s.kv_pages_free}]")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate offline from prompts (streams to stdout)")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    add_engine_args(gen)
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
