@@ -274,7 +274,7 @@ def measure_step_overhead(
 ) -> dict[str, Any]:
     """`batch` decode-only requests; per decode position, one timed bare forward and one timed
     `scheduler.step()` of the same batch (order alternating), driven from this thread."""
-    new_tokens = iters + 16
+    new_tokens = iters + 64  # nobody finishes during warm-up, timing and profiling
     wl = make_workload(batch, args.seed + 1, prompt_range, (new_tokens, new_tokens))
     engine = make_engine(args, pages_for(wl, 16), (max(64, batch), 2048, 512))
     engine.shutdown()  # stop the loop thread: this thread drives the scheduler directly
@@ -311,8 +311,8 @@ def measure_step_overhead(
                 step_times.append(time.perf_counter() - t)
     phases = dict(timer.totals)
     timer.reset()
-    profile_text = _profile_steps(sched, iters=10) if args.profile else None
     seq_lens = [r.num_tokens for r in sched.running]
+    profile_text = _profile_steps(sched, iters=10) if args.profile else None
     return _overhead_summary(batch, iters, step_times, fwd_times, phases, seq_lens, profile_text)
 
 
@@ -444,6 +444,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policy", default="fcfs", help="radixlm schedule policy (no prefix hits here)")
     p.add_argument("--step-batches", default="16", help="comma list of decode batch sizes")
     p.add_argument("--step-iters", type=int, default=40)
+    p.add_argument(
+        "--configs",
+        help="radixlm settings to try: RUNNING:BATCHED_TOKENS:CHUNK[,...] (default: built-in)",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile 10 decode steps")
     return p.parse_args()
@@ -459,6 +463,8 @@ def main() -> None:
     else:
         prompt_range, output_range = (32, 512), (8, 256)
         configs, iters = ENGINE_CONFIGS, args.step_iters
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     wl = make_workload(args.num_requests, args.seed, prompt_range, output_range)
     res: dict[str, Any] = {
         "machine": machine_info(args.threads),
