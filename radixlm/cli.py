@@ -58,7 +58,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             else:
                 typ = str
             group.add_argument(
-                "--" + f.name.replace("_", "-"), dest=f.name, type=typ, default=default,
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                type=typ,
+                default=default,
                 help=f"{_HELP.get(f.name, f.name)} (default: {default})",
             )
 
@@ -95,8 +98,10 @@ def _generate(args: argparse.Namespace) -> int:
             dt = time.perf_counter() - t0
             print(f"\n[{n} tokens in {dt:.2f} s, {n / max(dt, 1e-9):.1f} tok/s]")
         s = engine.stats()
-        print(f"[cache hit rate {s.cache_hit_rate:.2f}; KV pages used/cached/free "
-              f"{s.kv_pages_used}/{s.kv_pages_cached}/{s.kv_pages_free}]")
+        print(
+            f"[cache hit rate {s.cache_hit_rate:.2f}; KV pages used/cached/free "
+            f"{s.kv_pages_used}/{s.kv_pages_cached}/{s.kv_pages_free}]"
+        )
     finally:
         engine.shutdown()
     return 0

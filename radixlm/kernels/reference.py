@@ -116,7 +116,9 @@ def paged_attention(
         ke = k_buf[item.slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
         ve = v_buf[item.slots].transpose(0, 1)[None].to(q.dtype)
         if item.mask is None:
-            oe = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa)
+            oe = F.scaled_dot_product_attention(
+                qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         else:
             oe = F.scaled_dot_product_attention(
                 qe, ke, ve, attn_mask=item.mask, scale=scale, enable_gqa=gqa

@@ -35,7 +35,11 @@ class Engine:
     """`Engine(model=None, dtype="bfloat16", **config)`; see `EngineConfig` for the knobs."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
-        from radixlm.runtime.models.loader import load_model_info, load_tokenizer, resolve_model_path
+        from radixlm.runtime.models.loader import (
+            load_model_info,
+            load_tokenizer,
+            resolve_model_path,
+        )
 
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
         cfg = self.config
@@ -93,10 +97,14 @@ class Engine:
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}")
+            raise ValueError(
+                f"prompt token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}"
+            )
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
@@ -109,7 +117,7 @@ class Engine:
         request_id: str | None = None,
         namespace: Hashable | None = None,
     ) -> str:
-        """Queue one request (all `params.n` branches); outputs go to `sink` from the loop thread."""
+        """Queue one request (all `params.n` branches); outputs go to `sink` on the loop thread."""
         if self._stopped.is_set():
             raise RuntimeError("engine is shut down")
         params = params or SamplingParams()
@@ -157,7 +165,9 @@ class Engine:
         results = [self._collect(*w) for w in waiters]
         return results[0] if single else results
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield deltas as they are produced; closing the iterator early aborts the request."""
         q: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         n = (params or SamplingParams()).n
@@ -184,7 +194,9 @@ class Engine:
 
     # ---- async API ----------------------------------------------------------------------------
 
-    async def generate_async(self, prompt: Prompt, params: SamplingParams | None = None) -> GenerateResult:
+    async def generate_async(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> GenerateResult:
         n = (params or SamplingParams()).n
         outs = [Completion(index=i) for i in range(n)]
         last = None
@@ -202,8 +214,12 @@ class Engine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         n = (params or SamplingParams()).n
-        rid = self.submit(prompt, params, sink=lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
-                          request_id=request_id)
+        rid = self.submit(
+            prompt,
+            params,
+            sink=lambda o: loop.call_soon_threadsafe(q.put_nowait, o),
+            request_id=request_id,
+        )
         done = 0
         try:
             while done < n:

@@ -55,8 +55,12 @@ class KVCache:
             return
         ps = self.page_size
         device = self.k_buffers[0].device
-        src_slots = (torch.tensor(src, device=device)[:, None] * ps + torch.arange(ps, device=device)).flatten()
-        dst_slots = (torch.tensor(dst, device=device)[:, None] * ps + torch.arange(ps, device=device)).flatten()
+        src_slots = (
+            torch.tensor(src, device=device)[:, None] * ps + torch.arange(ps, device=device)
+        ).flatten()
+        dst_slots = (
+            torch.tensor(dst, device=device)[:, None] * ps + torch.arange(ps, device=device)
+        ).flatten()
         for buf in (*self.k_buffers, *self.v_buffers):
             buf[dst_slots] = buf[src_slots]
 

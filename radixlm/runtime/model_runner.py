@@ -56,7 +56,9 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in MODEL_REGISTRY:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}"
+            )
         self.hf_config = hf_config
         self.max_model_len = min(
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
@@ -88,19 +90,28 @@ class ModelRunner:
         self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
         logger.info(
             "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s",
-            model_dir.name, arch, device, self.num_pages, self.page_size,
+            model_dir.name,
+            arch,
+            device,
+            self.num_pages,
+            self.page_size,
             self.attention_backend_name,
         )
 
     def _num_pages(self, cc: CacheConfig) -> int:
         cfg = self.hf_config
         per_page = KVCache.bytes_per_page(
-            cfg.num_hidden_layers, cc.page_size, cfg.num_key_value_heads, self.model.head_dim,
+            cfg.num_hidden_layers,
+            cc.page_size,
+            cfg.num_key_value_heads,
+            self.model.head_dim,
             self.dtype,
         )
         if cc.num_pages is not None:
             return cc.num_pages
-        budget = cc.kv_memory_bytes or int(available_memory_bytes(self.device) * cc.kv_memory_fraction)
+        budget = cc.kv_memory_bytes or int(
+            available_memory_bytes(self.device) * cc.kv_memory_fraction
+        )
         # Never more than enough for a full pool of max-length sequences: 64 of them is plenty.
         cap = 64 * (self.max_model_len // cc.page_size + 1)
         return max(2, min(budget // per_page, cap))

@@ -47,7 +47,9 @@ class OutputProcessor:
     def init_request(self, req: Request) -> None:
         """Attach the detokenizer and (for seeded requests) the generator."""
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params
+            )
         if req.params.seed is not None:
             req.generator = make_generator((req.params.seed + req.index) % (1 << 64), self.device)
 

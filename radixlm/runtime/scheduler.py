@@ -264,7 +264,9 @@ class Scheduler:
         if not items:
             self.last_step = StepStats(step_seconds=time.perf_counter() - t0)
             return self.processor.drain()
-        sample_items = [i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens]
+        sample_items = [
+            i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens
+        ]
         batch = self._build_batch(items, {id(i.req) for i in sample_items})
         t1 = time.perf_counter()
         logits = self.runner.forward(batch)  # [len(sample_items), V]

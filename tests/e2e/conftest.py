@@ -8,7 +8,7 @@ import pytest
 import torch
 
 SENTENCES = [
-    "The radix tree stores every prompt by its tokens, so requests that share a prefix share memory.",
+    "The radix tree stores each prompt by its tokens, so requests sharing a prefix share memory.",
     "In the morning the fishermen pulled their boats onto the sand and sorted the silver catch.",
     "Photosynthesis converts light energy into chemical energy stored in glucose molecules.",
     "She opened the old notebook and found a map drawn in faded blue ink.",
@@ -60,7 +60,10 @@ def hf_reference(default_model_dir: Path, mixed_prompts) -> list[list[int]]:
         for ids in mixed_prompts:
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
                 pad_token_id=2,
             )
             outs.append(y[0, len(ids) :].tolist())

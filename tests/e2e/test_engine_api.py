@@ -80,7 +80,9 @@ def test_many_threads(engine):
 
 
 def test_closing_a_stream_aborts_and_frees_pages(engine):
-    it = engine.stream(PROMPTS[2], SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True))
+    it = engine.stream(
+        PROMPTS[2], SamplingParams(max_new_tokens=500, temperature=0, ignore_eos=True)
+    )
     next(it)
     next(it)
     it.close()
@@ -125,7 +127,9 @@ def test_stop_strings_never_leak(engine):
     full = engine.generate(PROMPTS[1], p).text
     stop = full[5:9]
     assert stop and stop.strip()
-    deltas = list(engine.stream(PROMPTS[1], SamplingParams(max_new_tokens=40, temperature=0, stop=[stop])))
+    deltas = list(
+        engine.stream(PROMPTS[1], SamplingParams(max_new_tokens=40, temperature=0, stop=[stop]))
+    )
     text = "".join(d.text for d in deltas)
     assert stop not in text and all(stop not in d.text for d in deltas)
     assert full.startswith(text) and text == full[: full.index(stop)]
@@ -151,7 +155,9 @@ def test_logprobs_match_transformers(engine, default_model_dir):
 
 
 def test_multibyte_text_never_splits(engine):
-    deltas = list(engine.stream("用中文写一句话：", SamplingParams(max_new_tokens=30, temperature=0)))
+    deltas = list(
+        engine.stream("用中文写一句话：", SamplingParams(max_new_tokens=30, temperature=0))
+    )
     assert all("\ufffd" not in d.text for d in deltas)
 
 

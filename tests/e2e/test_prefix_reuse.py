@@ -32,7 +32,9 @@ def test_second_request_computes_only_the_suffix(engine, tokenizer):
     assert after - mid == len(b) - rb.usage.cached_tokens  # only the suffix ran
     assert ra.usage.cached_tokens == 0
     # Same answer as without the cache (cached K/V are the same numbers).
-    with Engine(str(engine.model_dir), dtype="float32", num_pages=128, enable_prefix_caching=False) as cold:
+    with Engine(
+        str(engine.model_dir), dtype="float32", num_pages=128, enable_prefix_caching=False
+    ) as cold:
         assert cold.generate(b, GREEDY).output_token_ids == rb.output_token_ids
     engine.check_integrity()
 
@@ -43,7 +45,9 @@ def test_multi_turn_chat_reuses_previous_turn_output(engine):
         {"role": "system", "content": "You are a concise assistant. " * 20},
         {"role": "user", "content": "Name three colors."},
     ]
-    turn1 = engine.generate(engine.apply_chat_template(messages), SamplingParams(max_new_tokens=24, temperature=0))
+    turn1 = engine.generate(
+        engine.apply_chat_template(messages), SamplingParams(max_new_tokens=24, temperature=0)
+    )
     prompt1 = engine.tokenize(engine.apply_chat_template(messages))
     messages += [
         {"role": "assistant", "content": turn1.text},

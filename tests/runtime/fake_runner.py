@@ -44,7 +44,10 @@ class FakeRunner:
             i = next(j for j in range(batch.batch_size) if indptr[j] <= row < indptr[j + 1])
             seq_len = int(batch.prefix_lens[i]) + (row - indptr[i]) + 1
             pages = batch.page_table[i].tolist()
-            slots = [pages[p // self.page_size] * self.page_size + p % self.page_size for p in range(seq_len)]
+            slots = [
+                pages[p // self.page_size] * self.page_size + p % self.page_size
+                for p in range(seq_len)
+            ]
             vals = k[slots, 0, 0]
             assert bool((vals > 0).all()), f"request {i}: context slot never written"
             context = [int(v) - 1 for v in vals]

@@ -40,7 +40,9 @@ def run_chunks(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.
 def test_logits_match_transformers(request, fixture, chunks):
     model_dir = request.getfixturevalue(fixture)
     ids = [(i * 7919) % 40000 + 5 for i in range(40)]
-    runner = ModelRunner(model_dir, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16))
+    runner = ModelRunner(
+        model_dir, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16)
+    )
     ours = run_chunks(runner, ids, chunks)
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=2e-4, rtol=1e-4)
 
@@ -52,7 +54,10 @@ def test_rope_scaling_llama3_matches_transformers(tiny_llama_dir, tmp_path):
     shutil.copytree(tiny_llama_dir, d)
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_scaling"] = {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
     cfg.pop("rope_parameters", None)
@@ -66,8 +71,12 @@ def test_rope_scaling_llama3_matches_transformers(tiny_llama_dir, tmp_path):
 
 def test_bf16_runs_and_is_close(tiny_llama_dir):
     ids = list(range(10, 42))
-    r32 = ModelRunner(tiny_llama_dir, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16))
-    r16 = ModelRunner(tiny_llama_dir, "bfloat16", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16))
+    r32 = ModelRunner(
+        tiny_llama_dir, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16)
+    )
+    r16 = ModelRunner(
+        tiny_llama_dir, "bfloat16", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16)
+    )
     assert r16.kv_cache.k_buffers[0].dtype == torch.bfloat16
     a, b = run_chunks(r32, ids, [32]), run_chunks(r16, ids, [32])
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8

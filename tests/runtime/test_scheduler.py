@@ -37,7 +37,13 @@ def make(
     proc = OutputProcessor(None, [EOS], runner.vocab_size, max_model_len, runner.device)
     config = SchedulerConfig(**cfg)
     return Scheduler(
-        runner, pool, cache, config, proc, max_model_len, clock=clock or Clock(),
+        runner,
+        pool,
+        cache,
+        config,
+        proc,
+        max_model_len,
+        clock=clock or Clock(),
         debug_integrity=True,
     )
 
@@ -69,14 +75,18 @@ def assert_all_released(s: Scheduler) -> None:
 @pytest.mark.parametrize("caching", [True, False])
 def test_outputs_match_reference_under_any_batching(chunk, caching):
     rng = random.Random(0)
-    s = make(chunked_prefill_size=chunk, max_batched_tokens=48, max_running_requests=6, caching=caching)
+    s = make(
+        chunked_prefill_size=chunk, max_batched_tokens=48, max_running_requests=6, caching=caching
+    )
     reqs = [req(f"r{i}", prompt(rng, rng.randint(1, 40)), rng.randint(1, 12)) for i in range(20)]
     for r in reqs:
         s.add_request(r)
     run(s)
     for r in reqs:
         assert r.finish_reason == "length"
-        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, r.params.max_new_tokens)
+        assert r.output_token_ids == reference_continuation(
+            r.prompt_token_ids, r.params.max_new_tokens
+        )
     assert_all_released(s)
 
 

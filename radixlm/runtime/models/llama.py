@@ -84,7 +84,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
@@ -116,7 +118,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch, rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -127,7 +131,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         attn_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.head_dim = head_dim
