@@ -1,8 +1,13 @@
-"""`radixlm` console script. `radixlm generate`: offline generation on the default model."""
+"""`radixlm` console script.
+
+`radixlm generate`: offline generation on the default model. `radixlm serve`: the HTTP server
+(OpenAI-compatible and SGLang-native endpoints, Prometheus metrics).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import MISSING, fields
@@ -107,6 +112,64 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from radixlm.server.serving import ServerConfig
+
+    d = ServerConfig()
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default=d.host, help=f"address to bind (default: {d.host})")
+    group.add_argument("--port", type=int, default=d.port, help=f"port (default: {d.port})")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("RADIXLM_API_KEY") or None,
+        help="require `Authorization: Bearer KEY` (default: $RADIXLM_API_KEY, else no key)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in /v1/models and responses (default: the model directory's name)",
+    )
+    group.add_argument(
+        "--max-n",
+        type=int,
+        default=d.max_n,
+        help=f"most sequences (n) one request may ask for (default: {d.max_n})",
+    )
+    group.add_argument(
+        "--max-batch-prompts",
+        type=int,
+        default=d.max_batch_prompts,
+        help=f"most prompts in one batched request (default: {d.max_batch_prompts})",
+    )
+    group.add_argument(
+        "--log-level",
+        default=d.log_level,
+        choices=["debug", "info", "warning", "error", "critical"],
+        help=f"logging level; debug also logs every HTTP request (default: {d.log_level})",
+    )
+
+
+def server_config(args: argparse.Namespace) -> Any:
+    from radixlm.server.serving import ServerConfig
+
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_n=args.max_n,
+        max_batch_prompts=args.max_batch_prompts,
+        log_level=args.log_level,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from radixlm.server.launch import serve
+
+    serve(engine_kwargs(args), server_config(args))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,9 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     add_engine_args(gen)
+    srv = sub.add_parser(
+        "serve",
+        help="serve the model over HTTP (OpenAI-compatible + SGLang-native API)",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/generate, /get_model_info, /health, /metrics, ...",
+    )
+    add_server_args(srv)
+    add_engine_args(srv)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

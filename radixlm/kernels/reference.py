@@ -29,67 +29,79 @@ def store_kv(
     v_buf[out_cache_loc] = v.to(v_buf.dtype)
 
 
-def page_slots(page_table_row: torch.Tensor, seq_len: int, page_size: int) -> torch.Tensor:
-    """Slots of tokens `0..seq_len-1` of one sequence: `[seq_len]` int64."""
-    npages = (seq_len + page_size - 1) // page_size
-    pages = page_table_row[:npages].to(torch.int64)
-    offs = torch.arange(page_size, device=pages.device)
-    return (pages[:, None] * page_size + offs).flatten()[:seq_len]
+# Decode requests are sorted by length and attended in groups of at most this many, so padding
+# to the group's longest sequence stays small.
+DECODE_GROUP_SIZE = 16
+
+
+def gather_pages(buf: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Rows of whole pages: `buf` [S, Hkv, D], `pages` [B, P] -> [B, P * page_size, Hkv, D].
+
+    NOTE: page-granular `index_select` copies contiguous runs of `page_size` rows; it is ~3x
+    faster on CPU than gathering token slots one by one.
+    """
+    b, p = pages.shape
+    flat = buf.view(buf.shape[0] // page_size, -1)  # [num_pages, page_size * Hkv * D]
+    out = torch.index_select(flat, 0, pages.reshape(-1))
+    return out.view(b, p * page_size, *buf.shape[1:])
 
 
 @dataclass
 class _DecodeGroup:
-    rows: torch.Tensor  # [Bd] rows of q (one per request)
-    slots: torch.Tensor  # [Bd, L] int64 slot of each key position (padding: slot 0)
-    mask: torch.Tensor  # [Bd, 1, 1, L] bool, True = attend
+    rows: torch.Tensor  # [b] rows of q (one per request)
+    pages: torch.Tensor  # [b, P] int64 page ids (padding: page 0, masked out)
+    mask: torch.Tensor  # [b, 1, 1, P * page_size] bool, True = attend
 
 
 @dataclass
 class _ExtendItem:
     start: int
     end: int
-    slots: torch.Tensor  # [seq_len]
+    seq_len: int
+    pages: torch.Tensor  # [1, P] int64
     mask: torch.Tensor | None  # [e, seq_len] bool; None when causal from position 0
 
 
 @dataclass
 class _Plan:
-    decode: _DecodeGroup | None
+    decode: list[_DecodeGroup]
     extends: list[_ExtendItem]
+    page_size: int
 
 
 def plan_attention(batch: ForwardBatch) -> _Plan:
-    """Precompute slot gathers and masks once per forward (shared by all layers)."""
+    """Precompute page gathers and masks once per forward (shared by all layers)."""
     ps = batch.page_size
     device = batch.input_ids.device
-    decode_idx = [i for i, e in enumerate(batch.extend_lens_cpu) if e == 1]
-    decode = None
-    if decode_idx:
-        lens = [batch.seq_lens_cpu[i] for i in decode_idx]
-        max_len = max(lens)
-        npages = (max_len + ps - 1) // ps
-        idx = torch.tensor(decode_idx, device=device)
-        pages = batch.page_table[idx, :npages].to(torch.int64)  # [Bd, npages]
-        offs = torch.arange(ps, device=device)
-        slots = (pages[:, :, None] * ps + offs).reshape(len(decode_idx), -1)[:, :max_len]
-        lens_t = torch.tensor(lens, device=device)
-        mask = torch.arange(max_len, device=device)[None, :] < lens_t[:, None]  # [Bd, L]
-        slots = torch.where(mask, slots, torch.zeros_like(slots))
-        rows = batch.qo_indptr[:-1][idx].to(torch.int64)
-        decode = _DecodeGroup(rows=rows, slots=slots, mask=mask[:, None, None, :])
+    lens = batch.seq_lens_cpu
+    starts = [0]
+    for e in batch.extend_lens_cpu:
+        starts.append(starts[-1] + e)
+    decode_idx = sorted(
+        (i for i, e in enumerate(batch.extend_lens_cpu) if e == 1), key=lambda i: lens[i]
+    )
+    groups = []
+    for g in range(0, len(decode_idx), DECODE_GROUP_SIZE):
+        idx = decode_idx[g : g + DECODE_GROUP_SIZE]
+        npages = -(-max(lens[i] for i in idx) // ps)
+        idx_t = torch.tensor(idx, device=device)
+        pages = batch.page_table[idx_t, :npages].to(torch.int64)  # [b, P]
+        lens_t = torch.tensor([lens[i] for i in idx], device=device)
+        mask = torch.arange(npages * ps, device=device)[None, :] < lens_t[:, None]  # [b, L]
+        rows = torch.tensor([starts[i] for i in idx], device=device)
+        groups.append(_DecodeGroup(rows=rows, pages=pages, mask=mask[:, None, None, :]))
     extends = []
-    indptr = 0
-    for i, (e, seq_len) in enumerate(zip(batch.extend_lens_cpu, batch.seq_lens_cpu)):
+    for i, (e, seq_len) in enumerate(zip(batch.extend_lens_cpu, lens)):
         if e > 1:
             prefix = seq_len - e
-            slots = page_slots(batch.page_table[i], seq_len, ps)
+            npages = -(-seq_len // ps)
+            pages = batch.page_table[i : i + 1, :npages].to(torch.int64)
             mask = None
             if prefix > 0:
                 q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [e, seq_len]
-            extends.append(_ExtendItem(start=indptr, end=indptr + e, slots=slots, mask=mask))
-        indptr += e
-    return _Plan(decode=decode, extends=extends)
+            extends.append(_ExtendItem(starts[i], starts[i] + e, seq_len, pages, mask))
+    return _Plan(decode=groups, extends=extends, page_size=ps)
 
 
 def paged_attention(
@@ -102,19 +114,19 @@ def paged_attention(
     """Attention of the new tokens over their sequences' cached K/V (already stored)."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_buf.shape[1]
-    if plan.decode is not None:
-        d = plan.decode
-        qd = q[d.rows][:, :, None, :]  # [Bd, Hq, 1, D]
-        kd = k_buf[d.slots].transpose(1, 2).to(q.dtype)  # [Bd, Hkv, L, D]
-        vd = v_buf[d.slots].transpose(1, 2).to(q.dtype)
+    ps = plan.page_size
+    for d in plan.decode:
+        qd = q[d.rows][:, :, None, :]  # [b, Hq, 1, D]
+        kd = gather_pages(k_buf, d.pages, ps).transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
+        vd = gather_pages(v_buf, d.pages, ps).transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
-        )  # [Bd, Hq, 1, D]
+        )  # [b, Hq, 1, D]
         out[d.rows] = od[:, :, 0, :]
     for item in plan.extends:
         qe = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, e, D]
-        ke = k_buf[item.slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
-        ve = v_buf[item.slots].transpose(0, 1)[None].to(q.dtype)
+        ke = gather_pages(k_buf, item.pages, ps)[:, : item.seq_len].transpose(1, 2).to(q.dtype)
+        ve = gather_pages(v_buf, item.pages, ps)[:, : item.seq_len].transpose(1, 2).to(q.dtype)
         if item.mask is None:
             oe = F.scaled_dot_product_attention(
                 qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa

@@ -138,6 +138,16 @@ class OutputProcessor:
         req.finish_reason = reason
         req.finish_time = time.monotonic()
         self._queue(req, "")
+        # n > 1 branches not forked yet end with their parent (every branch finishes exactly once).
+        for k in range(req.pending_forks):
+            branch = self.make_branch(req, index=k + 1)
+            branch.num_cached_tokens = req.num_cached_tokens
+            branch.error = req.error
+            branch.status = RequestStatus.FINISHED
+            branch.finish_reason = reason
+            branch.finish_time = req.finish_time
+            self._queue(branch, "")
+        req.pending_forks = 0
 
     def fail(self, req: Request, message: str) -> None:
         req.error = message

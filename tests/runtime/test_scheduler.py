@@ -322,3 +322,24 @@ def test_in_batch_prefix_sharing_defers_followers_until_the_leader_is_cached():
     assert s.total_computed_prompt_tokens == 69 + 5 * 5  # the system prompt computed once
     for r in reqs:
         assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 3)
+
+
+def test_unforked_branches_finish_with_their_failed_or_aborted_parent():
+    rng = random.Random(16)
+    s = make(num_pages=4, page_size=4, chunked_prefill_size=None)
+    big = req("big", prompt(rng, 40), 2, n=3)
+    outs: list = []
+    big.sink = outs.append
+    s.add_request(big)
+    run(s, max_steps=5)
+    s2 = make()
+    waiting = req("w", prompt(rng, 8), 2, n=2)
+    outs2: list = []
+    waiting.sink = outs2.append
+    s2.add_request(waiting)
+    s2.abort("w")
+    s2.processor.drain()
+    for got, n, reason in ((outs, 3, "error"), (outs2, 2, "abort")):
+        finished = [o for o in got if o.finished]
+        assert sorted(o.index for o in finished) == list(range(n))
+        assert all(o.finish_reason == reason for o in finished)

@@ -1,0 +1,126 @@
+"""Prometheus metrics for `GET /metrics`.
+
+Two sources: the engine's own counters and gauges (`Engine.stats()`: tokens, cache hits, KV pages,
+queue lengths), read at scrape time by a custom collector, and latency histograms the server
+times itself from the deltas it receives (time to first token, time per output token,
+end-to-end). Each app gets its own registry, so several servers can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixlm.runtime.outputs import EngineStats
+
+PREFIX = "radixlm"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineCollector(Collector):
+    """Reads `Engine.stats()` at scrape time (call `generate_latest` off the event loop: the
+    stats take the engine lock, which a running step holds)."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        counters = {
+            "prompt_tokens": ("Prompt tokens of admitted requests", s.prompt_tokens),
+            "generation_tokens": ("Generated tokens", s.generated_tokens),
+            "computed_prompt_tokens": (
+                "Prompt tokens run through the model (cache misses and recomputation)",
+                s.computed_prompt_tokens,
+            ),
+            "cache_hit_tokens": ("Prompt tokens served from the radix cache", s.cache_hit_tokens),
+            "cache_queried_tokens": (
+                "Prompt tokens looked up in the radix cache",
+                s.cache_queried_tokens,
+            ),
+            "retractions": ("Requests preempted for lack of KV pages", s.num_retractions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        gauges = {
+            "cache_hit_rate": (
+                "Radix cache hit rate (hit / queried prompt tokens)",
+                s.cache_hit_rate,
+            ),
+            "num_requests_running": ("Sequences being computed", s.num_running),
+            "num_requests_waiting": ("Sequences waiting for admission", s.num_waiting),
+            "kv_pages_total": ("KV cache pages in the pool", s.kv_pages_total),
+            "kv_pages_used": ("KV pages held by running requests", s.kv_pages_used),
+            "kv_pages_cached": ("KV pages cached in the radix tree, evictable", s.kv_pages_cached),
+            "kv_pages_free": ("Free KV pages", s.kv_pages_free),
+            "kv_page_size": ("Tokens per KV page", s.page_size),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """The server's registry: engine collector + request histograms and counters."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(stats))
+        reg = self.registry
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from submission to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds",
+            "Mean time between generated tokens of one sequence (after the first)",
+            buckets=TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Time from submission to the last sequence of a prompt finishing",
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Prompts finished (all their sequences)",
+            registry=reg,
+        )
+        self.sequences = Counter(
+            f"{PREFIX}_sequences_finished",
+            "Sequences finished, by finish reason",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.request_cached_tokens = Counter(
+            f"{PREFIX}_request_cached_tokens",
+            "Prompt tokens served from the radix cache, summed over finished prompts",
+            registry=reg,
+        )
+
+    def observe_sequence(
+        self, finish_reason: str, ttft: float | None, tokens: int, decode_seconds: float
+    ) -> None:
+        self.sequences.labels(finish_reason=finish_reason).inc()
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tokens > 1:
+            self.tpot.observe(decode_seconds / (tokens - 1))
+
+    def observe_request(self, e2e_seconds: float, cached_tokens: int) -> None:
+        self.requests.inc()
+        self.e2e.observe(e2e_seconds)
+        self.request_cached_tokens.inc(cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

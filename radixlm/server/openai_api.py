@@ -1,0 +1,356 @@
+"""OpenAI-compatible endpoints: `/v1/completions`, `/v1/chat/completions`, `/v1/models`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from radixlm.runtime.outputs import Completion
+from radixlm.runtime.request import RequestOutput, TokenLogprob
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.server.constraints import Constraint, make_constraint
+from radixlm.server.errors import ApiError, OrjsonResponse
+from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from radixlm.server.serving import (
+    SSE_DONE,
+    EngineClient,
+    GenerationRequest,
+    RequestGroup,
+    SSEResponse,
+    collect,
+    raise_if_failed,
+    run_until_disconnect,
+    sampling_params,
+    sse,
+)
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+
+COMPLETION_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "top_logprobs": "logprobs",
+}
+CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+# Builds one choice of a chunk: (choice index, delta, text offset so far) -> choice dict.
+ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any]]
+
+
+def _client(request: Request) -> EngineClient:
+    return request.app.state.client
+
+
+# ---- request -> engine ---------------------------------------------------------------------------
+
+
+def _reject(cond: bool, param: str, message: str) -> None:
+    if cond:
+        raise ApiError(f"{param}: {message}", param=param, code="unsupported_parameter")
+
+
+def _constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    found = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(make_constraint("json_object", "", "response_format"))
+    elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+        found.append(make_constraint("json_schema", rf.json_schema.schema_, "response_format"))
+    if body.regex is not None:
+        found.append(make_constraint("regex", body.regex, "regex"))
+    if body.ebnf is not None:
+        found.append(make_constraint("ebnf", body.ebnf, "ebnf"))
+    if len(found) > 1:
+        raise ApiError(
+            "only one of response_format (json), regex and ebnf may be given", param=found[1].param
+        )
+    return found[0] if found else None
+
+
+def _params(
+    body: CompletionRequest | ChatCompletionRequest,
+    names: dict[str, str],
+    max_new_tokens: int,
+    logprobs: bool,
+    top_logprobs: int,
+) -> SamplingParams:
+    _reject(bool(body.logit_bias), "logit_bias", "not supported")
+    return sampling_params(
+        names,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=body.min_tokens or 0,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=-1 if body.top_k is None else body.top_k,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        seed=body.seed,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids or (),
+        ignore_eos=body.ignore_eos,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        n=body.n,
+    )
+
+
+def _request_ids(client: EngineClient, prefix: str, rid: str | None, count: int) -> list[str]:
+    base = client.new_request_id(prefix, rid)
+    if count == 1:
+        return [base]
+    return [client.new_request_id(prefix, f"{base}-{k}") for k in range(count)]
+
+
+async def _respond(
+    request: Request,
+    group: RequestGroup,
+    stream: bool,
+    build: Callable[[list[list[Completion]]], dict[str, Any]],
+    chunks: Callable[[], AsyncIterator[bytes]],
+) -> Response:
+    if stream:
+        return SSEResponse(chunks(), on_close=group.close)
+    try:
+        outs = await run_until_disconnect(request, lambda: collect(group))
+    finally:
+        group.close()
+    raise_if_failed(outs)
+    return OrjsonResponse(build(outs))
+
+
+# ---- /v1/completions -----------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    client = _client(request)
+    _reject(body.suffix is not None, "suffix", "not supported")
+    _reject(body.best_of not in (None, body.n), "best_of", "only best_of == n is supported")
+    _reject(body.echo and body.logprobs is not None, "echo", "prompt logprobs are not supported")
+    prompts = _prompt_list(body.prompt)
+    if len(prompts) > client.config.max_batch_prompts:
+        raise ApiError(
+            f"prompt: at most {client.config.max_batch_prompts} prompts per request", "prompt"
+        )
+    client.check_n(body.n)
+    constraint = _constraint(body)
+    params = _params(
+        body, COMPLETION_NAMES, body.max_tokens or 16, body.logprobs is not None, body.logprobs or 0
+    )
+    rids = _request_ids(client, "cmpl-", body.rid, len(prompts))
+    reqs = []
+    for prompt, rid in zip(prompts, rids):
+        ids = await client.tokenize(prompt, "prompt")
+        client.check_length(ids, params.max_new_tokens, "prompt", "max_tokens")
+        reqs.append(GenerationRequest(ids, params, rid, constraint))
+    echo = [_echo_text(client, p) if body.echo else "" for p in prompts]
+    group = client.submit(reqs)
+    head = {"id": rids[0], "object": "text_completion", "created": int(time.time())}
+    head["model"] = client.model_name
+
+    def choice(index: int, out: RequestOutput | Completion, offset: int) -> dict[str, Any]:
+        prefix = echo[index // body.n] if offset == 0 else ""
+        lps = None
+        if body.logprobs is not None:
+            lps = _completion_logprobs(client, out.logprobs, offset + len(prefix))
+        finished = out.finish_reason is not None
+        return {
+            "index": index,
+            "text": prefix + out.text,
+            "logprobs": lps,
+            "finish_reason": out.finish_reason if finished else None,
+            "stop_reason": out.stop_reason if finished else None,
+        }
+
+    def build(outs: list[list[Completion]]) -> dict[str, Any]:
+        choices = [choice(k * body.n + c.index, c, 0) for k, cs in enumerate(outs) for c in cs]
+        return {**head, "choices": choices, "usage": group.usage()}
+
+    def chunks() -> AsyncIterator[bytes]:
+        return _stream(group, body, head, choice, first=None)
+
+    return await _respond(request, group, body.stream, build, chunks)
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError("prompt: must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def _echo_text(client: EngineClient, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else client.engine.tokenizer.decode(prompt)
+
+
+def _completion_logprobs(
+    client: EngineClient, lps: list[TokenLogprob], offset: int
+) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        text = client.token_text(lp.token_id)
+        tokens.append(text)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{client.token_text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+# ---- /v1/chat/completions ------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    client = _client(request)
+    _reject(bool(body.tools), "tools", "tool calling is not supported")
+    _reject(body.tool_choice not in (None, "none", "auto"), "tool_choice", "not supported")
+    _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
+    client.check_n(body.n)
+    constraint = _constraint(body)
+    messages = [_message_dict(m) for m in body.messages]
+    prompt = await client.chat_prompt(messages, body.continue_final_message)
+    ids = await client.tokenize(prompt, "messages")
+    limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    remaining = client.engine.max_model_len - len(ids)
+    max_new = body.max_completion_tokens or body.max_tokens or remaining
+    client.check_length(ids, max_new, "messages", limit_param)
+    names = {**CHAT_NAMES, "max_new_tokens": limit_param}
+    params = _params(body, names, max_new, body.logprobs, body.top_logprobs or 0)
+    [rid] = _request_ids(client, "chatcmpl-", body.rid, 1)
+    group = client.submit([GenerationRequest(ids, params, rid, constraint)])
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time())}
+    head["model"] = client.model_name
+
+    def message(out: RequestOutput | Completion, key: str) -> dict[str, Any]:
+        lps = {"content": _chat_logprobs(client, out.logprobs)} if body.logprobs else None
+        finished = out.finish_reason is not None
+        return {
+            "index": out.index,
+            key: {"role": "assistant", "content": out.text} if key == "message" else _delta(out),
+            "logprobs": lps,
+            "finish_reason": out.finish_reason if finished else None,
+            "stop_reason": out.stop_reason if finished else None,
+        }
+
+    def build(outs: list[list[Completion]]) -> dict[str, Any]:
+        choices = [message(c, "message") for c in outs[0]]
+        return {**head, "choices": choices, "usage": group.usage()}
+
+    def first(index: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def chunks() -> AsyncIterator[bytes]:
+        stream_head = {**head, "object": "chat.completion.chunk"}
+        return _stream(group, body, stream_head, lambda i, o, _: message(o, "delta"), first)
+
+    return await _respond(request, group, body.stream, build, chunks)
+
+
+def _delta(out: RequestOutput | Completion) -> dict[str, Any]:
+    return {"content": out.text} if out.text or out.finish_reason is None else {}
+
+
+def _message_dict(m: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(m, key) is not None:
+            d[key] = getattr(m, key)
+    return d
+
+
+def _chat_logprobs(client: EngineClient, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = client.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in lps
+    ]
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+
+
+async def _stream(
+    group: RequestGroup,
+    body: CompletionRequest | ChatCompletionRequest,
+    head: dict[str, Any],
+    choice: ChoiceBuilder,
+    first: Callable[[int], dict[str, Any]] | None,
+) -> AsyncIterator[bytes]:
+    """SSE chunks: one choice per chunk, exactly one `finish_reason` per choice, then the usage
+    chunk (when `stream_options.include_usage`) and `[DONE]`."""
+    opts = body.stream_options
+    include_usage = bool(opts and opts.include_usage)
+    continuous = bool(opts and opts.continuous_usage_stats)
+    offsets: dict[int, int] = {}
+    try:
+        if first is not None:
+            for index in range(len(group.members) * body.n):
+                yield sse({**head, "choices": [first(index)], **_usage(group, opts)})
+        async for k, out in group:
+            if out.finish_reason == "error":
+                err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
+                logger.error("streamed request failed: %s", out.error)
+                yield sse(err.body())
+                yield SSE_DONE
+                return
+            if not (out.text or out.logprobs or out.finished):
+                continue  # tokens that do not complete a character yet
+            index = k * body.n + out.index
+            offset = offsets.get(index, 0)
+            c = choice(index, out, offset)
+            c["index"] = index
+            offsets[index] = offset + len(c.get("text", ""))
+            yield sse({**head, "choices": [c], **_usage(group, opts)})
+        if include_usage or continuous:
+            yield sse({**head, "choices": [], "usage": group.usage()})
+        yield SSE_DONE
+    finally:
+        group.close()
+
+
+def _usage(group: RequestGroup, opts: StreamOptions | None) -> dict[str, Any]:
+    """`usage` of a non-final chunk: null with include_usage, running totals with
+    continuous_usage_stats (vLLM's extension), absent otherwise."""
+    if opts is None:
+        return {}
+    if opts.continuous_usage_stats:
+        return {"usage": group.usage()}
+    return {"usage": None} if opts.include_usage else {}
+
+
+# ---- /v1/models ----------------------------------------------------------------------------------
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    client = _client(request)
+    card = {
+        "id": client.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "radixlm",
+        "root": str(client.engine.model_dir),
+        "max_model_len": client.engine.max_model_len,
+    }
+    return OrjsonResponse({"object": "list", "data": [card]})

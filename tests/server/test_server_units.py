@@ -1,0 +1,78 @@
+"""Server pieces that need no model: error locations, parameter mapping, CLI flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm.cli import main as cli_main
+from radixlm.server.constraints import make_constraint
+from radixlm.server.errors import ApiError, loc_to_param
+from radixlm.server.serving import ServerConfig, sampling_params
+
+
+@pytest.mark.parametrize(
+    ("loc", "param"),
+    [
+        (("body", "temperature"), "temperature"),
+        (("body", "messages", 0, "content", "str"), "messages[0].content"),
+        (("body", "stop", "list[str]", 0), "stop"),
+        (("body", "sampling_params", "NativeSamplingParams", "n"), "sampling_params.n"),
+        (("body", "input_ids", "list[int]", 0), "input_ids"),
+        (("body",), None),
+        (("body", "response_format", "type"), "response_format.type"),
+    ],
+)
+def test_loc_to_param(loc, param):
+    assert loc_to_param(loc) == param
+
+
+def test_sampling_params_errors_name_the_api_field():
+    with pytest.raises(ApiError) as exc:
+        sampling_params({"max_new_tokens": "max_tokens"}, max_new_tokens=0)
+    assert exc.value.param == "max_tokens" and exc.value.message.startswith("max_tokens must")
+    with pytest.raises(ApiError) as exc:
+        sampling_params({}, temperature=-1.0)
+    assert exc.value.param == "temperature" and exc.value.status_code == 400
+    assert sampling_params({}, max_new_tokens=3).max_new_tokens == 3
+
+
+def test_make_constraint_checks_syntax():
+    with pytest.raises(ApiError, match="regular expression"):
+        make_constraint("regex", "(", "regex")
+    with pytest.raises(ApiError, match="not valid JSON"):
+        make_constraint("json_schema", "{", "sampling_params.json_schema")
+    c = make_constraint("json_schema", '{"type": "object"}', "sampling_params.json_schema")
+    assert c.kind == "json_schema" and c.param == "sampling_params.json_schema"
+    assert make_constraint("regex", "[0-9]+", "regex").spec == "[0-9]+"
+
+
+def test_server_config_validates():
+    with pytest.raises(ValueError, match="max_n"):
+        ServerConfig(max_n=0)
+    with pytest.raises(ValueError, match="max_n"):
+        ServerConfig(max_n=1000)
+
+
+def test_serve_flags(monkeypatch):
+    import radixlm.cli as cli
+
+    seen = {}
+
+    def fake_serve(args):
+        seen["engine"] = cli.engine_kwargs(args)
+        seen["server"] = cli.server_config(args)
+        return 0
+
+    monkeypatch.setattr(cli, "_serve", fake_serve)
+    monkeypatch.setenv("RADIXLM_API_KEY", "from-env")
+    argv = ["serve", "--port", "1234", "--max-n", "4", "--page-size", "32", "--dtype", "float32"]
+    assert cli_main(argv) == 0
+    assert seen["server"].port == 1234 and seen["server"].host == "127.0.0.1"
+    assert seen["server"].api_key == "from-env" and seen["server"].max_n == 4
+    assert seen["engine"]["page_size"] == 32 and seen["engine"]["dtype"] == "float32"
+    assert seen["engine"]["model"] is None
+    assert cli_main([*argv, "--api-key", "flag"]) == 0
+    assert seen["server"].api_key == "flag"
+    monkeypatch.delenv("RADIXLM_API_KEY")
+    assert cli_main(argv) == 0
+    assert seen["server"].api_key is None
