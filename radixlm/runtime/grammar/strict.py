@@ -1,0 +1,259 @@
+"""JSON-schema strictness: refuse what a backend would silently not enforce.
+
+A validation keyword that a backend ignores makes it generate JSON that the caller's own
+validator rejects (``uniqueItems``, ``multipleOf`` on numbers, ``if``/``then``/``else``, ...).
+``check_schema`` walks every subschema and, unless the caller opted into best effort, raises a
+``GrammarError`` that lists each such keyword with its location. Annotations (``title``,
+``description``, ``default``, ...) and unknown keywords constrain nothing and pass.
+
+Over-strict behaviour is accepted silently: the output still validates. Both backends forbid
+properties that the schema does not declare unless it says ``additionalProperties`` (like
+OpenAI's strict mode), match ``pattern`` against the whole string and generate ``oneOf`` as
+``anyOf``; outlines never emits ``\\u`` escapes, xgrammar no escapes at all in length-bounded
+strings. Silent under-enforcement found by probing (and rejected here): type-specific keywords
+in a schema without ``"type"``, ``required`` names that ``properties`` does not declare, and
+the per-backend gaps listed in the support tables at the bottom.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.runtime.grammar.base import GrammarError
+
+# Keywords that make a JSON-schema validator reject instances.
+VALIDATION_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const",
+        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
+        "dependencies", "unevaluatedProperties",
+        "items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+        "contains", "minContains", "maxContains", "unevaluatedItems",
+        "minLength", "maxLength", "pattern", "format",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
+        "$ref", "$dynamicRef", "$recursiveRef",
+    }
+)  # fmt: skip
+# Where subschemas live: name -> how its value holds them.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = (
+    "additionalProperties", "propertyNames", "unevaluatedProperties", "additionalItems",
+    "unevaluatedItems", "contains", "not", "if", "then", "else",
+)  # fmt: skip
+_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+# Type-specific keywords that the backends apply only when the schema states its "type".
+_NEEDS_TYPE = frozenset(
+    {
+        "minLength", "maxLength", "pattern", "format",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    }
+)  # fmt: skip
+_MAX_DEPTH = 128
+
+
+@dataclass(frozen=True)
+class SchemaSupport:
+    """What one backend enforces. ``multiple_of_integers_only``: ``multipleOf`` is enforced
+    only on ``{"type": "integer"}`` schemas; ``max_all_of``: longest ``allOf`` it merges.
+
+    Every backend generates only declared properties, so a ``required`` name missing from
+    ``properties`` is never produced: that is reported for all backends."""
+
+    keywords: frozenset[str]
+    formats: frozenset[str]
+    multiple_of_integers_only: bool = False
+    max_all_of: int = 1
+    # (keyword, sibling): the keyword is ignored when the sibling is in the same schema.
+    ignored_with: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    keyword: str  # e.g. "uniqueItems" or "format: 'ipv4'"
+    path: str  # JSON pointer of the subschema, "#" for the root
+
+
+def _children(schema: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(relative path, subschema) pairs of one schema object."""
+    out: list[tuple[str, Any]] = []
+    for key in _SCHEMA_MAPS:
+        value = schema.get(key)
+        if isinstance(value, dict):
+            out.extend((f"{key}/{_escape(k)}", v) for k, v in value.items())
+    for key in _SCHEMA_VALUES:
+        if key in schema:
+            out.append((key, schema[key]))
+    for key in _SCHEMA_LISTS:
+        value = schema.get(key)
+        if isinstance(value, list):
+            out.extend((f"{key}/{i}", v) for i, v in enumerate(value))
+    items = schema.get("items")
+    if isinstance(items, list):
+        out.extend((f"items/{i}", v) for i, v in enumerate(items))
+    elif items is not None:
+        out.append(("items", items))
+    deps = schema.get("dependencies")
+    if isinstance(deps, dict):
+        out.extend(
+            (f"dependencies/{_escape(k)}", v) for k, v in deps.items() if isinstance(v, dict)
+        )
+    return out
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> list[str]:
+    """Unsupported keywords of one schema object (not of its subschemas). ``typed``: the
+    instance type is implied by the position (``propertyNames`` applies to keys: strings)."""
+    found = []
+    typed = typed or "type" in schema
+    for key, value in schema.items():
+        if key not in VALIDATION_KEYWORDS:
+            continue
+        if key not in support.keywords:
+            if not (key == "uniqueItems" and value is False):
+                found.append(key)
+            continue
+        if key in _NEEDS_TYPE and not typed:
+            found.append(f'{key} (without "type")')
+        found.extend(
+            f"{key} (with {other})"
+            for k, other in support.ignored_with
+            if k == key and other in schema
+        )
+        if key == "format" and value not in support.formats:
+            found.append(f"format: {value!r}")
+        elif key == "multipleOf" and support.multiple_of_integers_only:
+            if schema.get("type") != "integer":
+                found.append("multipleOf (on a non-integer schema)")
+        elif key == "allOf" and isinstance(value, list) and len(value) > support.max_all_of:
+            found.append(f"allOf (with {len(value)} subschemas)")
+        elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            found.append(f"$ref: {value!r} (external reference)")
+        elif key == "items" and isinstance(value, list):
+            found.append("items (array form; use prefixItems)")
+        elif key == "required" and isinstance(value, list):
+            declared = schema.get("properties")
+            declared = declared if isinstance(declared, dict) else {}
+            found.extend(
+                f"required: {name!r} (not in properties)" for name in value if name not in declared
+            )
+    return found
+
+
+def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
+    """Every keyword of ``schema`` (at any depth) that ``support`` does not enforce."""
+    out: list[Unsupported] = []
+    stack: list[tuple[str, Any, int, bool]] = [("#", schema, 0, False)]
+    while stack:
+        path, node, depth, typed = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if depth > _MAX_DEPTH:
+            raise GrammarError(f"JSON schema nests deeper than {_MAX_DEPTH} levels")
+        out.extend(Unsupported(k, path) for k in _problems(node, support, typed))
+        for rel, sub in reversed(_children(node)):
+            stack.append((f"{path}/{rel}", sub, depth + 1, rel == "propertyNames"))
+    return out
+
+
+def check_metaschema(schema: Any) -> None:
+    """Raise ``GrammarError`` unless ``schema`` is valid against its (declared or 2020-12)
+    metaschema."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"invalid JSON schema: must be an object, got {type(schema).__name__}")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path)
+        raise GrammarError(f"invalid JSON schema at #/{where}: {exc.message}") from None
+
+
+def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort: bool) -> Any:
+    """Parse, metaschema-check and strictness-check schema text; return the parsed schema."""
+    try:
+        schema = json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"json_schema: not valid JSON: {exc}") from None
+    if schema is False:
+        raise GrammarError("invalid JSON schema: `false` matches nothing")
+    check_metaschema(schema)
+    if best_effort:
+        return schema
+    bad = find_unsupported(schema, support)
+    if bad:
+        listed = ", ".join(f"{u.keyword} (at {u.path})" for u in bad)
+        raise GrammarError(
+            f"JSON schema uses keywords that the {backend} grammar backend cannot enforce: "
+            f"{listed}. Remove them, or request best-effort decoding to ignore them."
+        )
+    return schema
+
+
+def canonical_schema(schema: Any, depth: int = 0) -> Any:
+    """The same schema with keyword keys sorted (a stable cache key). Order that means
+    something is kept: property maps (the generated key order), lists, and data values
+    (``enum``, ``const``, ``default``, ...)."""
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        return schema
+    out: dict[str, Any] = {}
+    for key in sorted(schema):
+        value = schema[key]
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
+        elif key in _SCHEMA_VALUES:
+            value = canonical_schema(value, depth + 1)
+        elif key in (*_SCHEMA_LISTS, "items") and isinstance(value, list):
+            value = [canonical_schema(v, depth + 1) for v in value]
+        elif key == "items":
+            value = canonical_schema(value, depth + 1)
+        elif key == "dependencies" and isinstance(value, dict):
+            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
+        out[key] = value
+    return out
+
+
+_COMMON = frozenset(
+    {
+        "type", "enum", "const", "properties", "required", "additionalProperties",
+        "minProperties", "unevaluatedProperties", "items", "prefixItems", "minItems",
+        "maxItems", "unevaluatedItems", "minLength", "maxLength", "pattern", "format",
+        "anyOf", "oneOf", "allOf", "$ref",
+    }
+)  # fmt: skip
+
+_XGRAMMAR_EXTRA = frozenset(
+    {
+        "patternProperties", "propertyNames", "maxProperties", "minimum", "maximum",
+        "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    }
+)  # fmt: skip
+_XGRAMMAR_FORMATS = frozenset(
+    {
+        "email", "date", "time", "date-time", "duration", "uuid", "uri", "uri-reference",
+        "uri-template", "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer",
+    }
+)  # fmt: skip
+
+# Measured with xgrammar 0.2.8 (tests/runtime/grammar/test_grammar_strict.py keeps it honest).
+XGRAMMAR_SUPPORT = SchemaSupport(
+    keywords=_COMMON | _XGRAMMAR_EXTRA,
+    formats=_XGRAMMAR_FORMATS,
+    multiple_of_integers_only=True,
+)
+# Measured with outlines-core 0.2.14: no numeric bounds, no min/maxProperties, no
+# propertyNames / patternProperties, no minItems next to prefixItems.
+OUTLINES_SUPPORT = SchemaSupport(
+    keywords=_COMMON - {"minProperties"},
+    formats=frozenset({"email", "date", "time", "date-time", "uuid", "uri"}),
+    ignored_with=(("minItems", "prefixItems"),),
+)

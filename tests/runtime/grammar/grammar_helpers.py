@@ -1,0 +1,39 @@
+"""Shared constants and the decoding walk for the grammar tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from radixlm.runtime.grammar import GrammarMatcher, allocate_bitmask, is_token_allowed
+
+VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
+EOS = 2
+BACKENDS = ("xgrammar", "outlines")
+
+
+def walk(
+    matcher: GrammarMatcher,
+    token_ids: Sequence[int],
+    *,
+    finish: bool = True,
+    eos_only_at_end: bool = True,
+) -> None:
+    """Feed ``token_ids`` through ``matcher`` the way decoding does: at each step the token must
+    be allowed by the filled bitmask and then accepted, and EOS is allowed exactly when the
+    matcher says the text is complete (never before the end with ``eos_only_at_end``). With
+    ``finish``, EOS must then be allowed and terminate the matcher."""
+    mask = allocate_bitmask(1, matcher.vocab.vocab_size)
+    for step, tok in enumerate(token_ids):
+        matcher.fill_bitmask(mask, 0)
+        assert is_token_allowed(mask, 0, tok), f"token {tok} masked at step {step}"
+        eos_ok = is_token_allowed(mask, 0, EOS)
+        assert eos_ok == matcher.is_completed(), f"EOS bit disagrees at step {step}"
+        if eos_only_at_end:
+            assert not eos_ok, f"EOS allowed too early, at step {step}"
+        assert matcher.accept_token(tok), f"token {tok} rejected at step {step}"
+    if finish:
+        matcher.fill_bitmask(mask, 0)
+        assert is_token_allowed(mask, 0, EOS), "EOS masked at the end"
+        assert matcher.is_completed() and not matcher.is_terminated()
+        assert matcher.accept_token(EOS)
+        assert matcher.is_terminated()

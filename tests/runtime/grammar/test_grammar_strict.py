@@ -1,0 +1,350 @@
+"""Constraints: construction, normalization, validation errors and JSON-schema strictness.
+
+The support tables in ``strict.py`` are claims about the backends; the "enforced" test below
+checks each claimed keyword against a valid and an invalid instance, so a table that says a
+backend enforces something it ignores fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from grammar_helpers import BACKENDS
+
+from radixlm.runtime.grammar import Constraint, GrammarBackend, GrammarError
+from radixlm.runtime.grammar.strict import (
+    OUTLINES_SUPPORT,
+    XGRAMMAR_SUPPORT,
+    find_unsupported,
+)
+
+Compile = Callable[[str, Constraint], Any]
+
+
+# ---- Constraint.from_params ---------------------------------------------------------------------
+
+
+def test_from_params_none_and_at_most_one() -> None:
+    assert Constraint.from_params() is None
+    with pytest.raises(ValueError, match="json_schema and regex"):
+        Constraint.from_params(json_schema={"type": "string"}, regex="a")
+    with pytest.raises(GrammarError, match="choices and json_object"):
+        Constraint.from_params(choices=["a"], json_object=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": [1, 2]}, "json_schema"),
+        ({"regex": ""}, "regex"),
+        ({"ebnf": "  "}, "ebnf"),
+        ({"choices": []}, "choices"),
+        ({"choices": ["a", 1]}, "choices"),
+        ({"regex": "a", "whitespace": "pretty"}, "whitespace"),
+    ],
+)
+def test_from_params_malformed_names_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(GrammarError, match=field):
+        Constraint.from_params(**kwargs)
+
+
+def test_schema_normalization_is_a_stable_cache_key() -> None:
+    a = Constraint.from_params(
+        json_schema={"type": "object", "properties": {"z": {"type": "string"}, "a": {}}}
+    )
+    b = Constraint.from_params(
+        json_schema='{"properties": {"z": {"type": "string"}, "a": {}}, "type": "object"}'
+    )
+    assert a == b and hash(a) == hash(b)
+    # Property order is the generated key order: it is kept, keywords are sorted.
+    assert (
+        a is not None and a.spec == '{"properties":{"z":{"type":"string"},"a":{}},"type":"object"}'
+    )
+    other = Constraint.from_params(json_schema={"properties": {"a": {}, "z": {"type": "string"}}})
+    assert other != a
+    # Data keeps its order too (a const object is generated as written).
+    c = Constraint.from_params(json_schema={"const": {"b": 1, "a": 2}})
+    assert c is not None and json.loads(c.spec)["const"] == {"b": 1, "a": 2}
+    assert list(json.loads(c.spec)["const"]) == ["b", "a"]
+    assert Constraint("choices", '["x", "y"]') == Constraint.from_params(choices=("x", "y", "x"))
+
+
+# ---- validation errors --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({"type": "strnig"}, "invalid JSON schema"),
+        ({"type": "string", "minLength": -1}, "invalid JSON schema at #/minLength"),
+        ({"properties": 5}, "invalid JSON schema"),
+        (False, "matches nothing"),
+    ],
+)
+def test_invalid_schema_is_an_error(
+    backend: str, schema: Any, needle: str, backends: dict[str, GrammarBackend]
+) -> None:
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    with pytest.raises(GrammarError, match=needle):
+        backends[backend].validate(c)
+    with pytest.raises(GrammarError, match=needle):
+        backends[backend].compile(c)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("regex", ["a(b", "[z-a]", "a{3,1}", "(?<=a)b"])
+def test_invalid_regex_is_an_error(
+    backend: str, regex: str, backends: dict[str, GrammarBackend]
+) -> None:
+    c = Constraint.from_params(regex=regex)
+    assert c is not None
+    with pytest.raises(GrammarError, match="regex"):
+        backends[backend].compile(c)
+
+
+def test_outlines_anchoring_cannot_change_a_regex(backends: dict[str, GrammarBackend]) -> None:
+    # "(?:" + R + ")$" would turn this invalid R into a valid, different pattern.
+    c = Constraint.from_params(regex="a)|(?:b")
+    assert c is not None
+    with pytest.raises(GrammarError, match="invalid regex"):
+        backends["outlines"].validate(c)
+
+
+def test_invalid_ebnf_is_an_error(backends: dict[str, GrammarBackend]) -> None:
+    c = Constraint.from_params(ebnf="root ::= undefined_rule")
+    assert c is not None
+    with pytest.raises(GrammarError, match="undefined_rule"):
+        backends["xgrammar"].validate(c)
+
+
+# ---- strictness ---------------------------------------------------------------------------------
+
+S = dict
+# keyword -> schema that uses it; each is valid against the metaschema.
+KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "uniqueItems": S(type="array", items=S(type="integer"), uniqueItems=True),
+    "contains": S(type="array", contains=S(const=5)),
+    "minContains": S(type="array", contains=S(const=5), minContains=2),
+    "not": S(type="integer", **{"not": S(const=3)}),
+    "if": S(type="integer", **{"if": S(minimum=5), "then": S(maximum=7)}),
+    "dependentRequired": S(type="object", dependentRequired={"a": ["b"]}),
+    "dependentSchemas": S(type="object", dependentSchemas={"a": S(required=["b"])}),
+    "multipleOf (on a non-integer schema)": S(type="number", multipleOf=0.5),
+    "allOf (with 2 subschemas)": S(allOf=[S(type="integer"), S(minimum=3)]),
+    "format: 'regex'": S(type="string", format="regex"),
+    'minLength (without "type")': S(minLength=3),
+    "required: 'a' (not in properties)": S(type="object", required=["a"]),
+    'format (without "type")': S(format="date"),
+    "$ref: 'https://example.com/s.json' (external reference)": {
+        "$ref": "https://example.com/s.json"
+    },
+}
+OUTLINES_ONLY: dict[str, dict[str, Any]] = {
+    "minimum": S(type="integer", minimum=5),
+    "exclusiveMaximum": S(type="number", exclusiveMaximum=5),
+    "multipleOf": S(type="integer", multipleOf=3),
+    "maxProperties": S(type="object", maxProperties=1),
+    "propertyNames": S(type="object", propertyNames=S(pattern="^a")),
+    "patternProperties": S(type="object", patternProperties={"^a": S(type="integer")}),
+    "format: 'ipv4'": S(type="string", format="ipv4"),
+    "minProperties": S(type="object", properties=S(a=S(type="integer")), minProperties=1),
+    "minItems (with prefixItems)": S(type="array", prefixItems=[S(type="integer")], minItems=1),
+}
+
+
+# How the error names a keyword when it differs between backends.
+NAMED_AS = {("outlines", "multipleOf (on a non-integer schema)"): "multipleOf"}
+# Even in best-effort mode these backends cannot build a grammar for these schemas: still an
+# error for that request only.
+CANNOT_COMPILE = {
+    ("xgrammar", "minContains"),
+    ("outlines", "allOf (with 2 subschemas)"),
+    ("outlines", "format: 'regex'"),
+    ("outlines", "format: 'ipv4'"),
+    ("outlines", "$ref: 'https://example.com/s.json' (external reference)"),
+    ("outlines", 'minLength (without "type")'),
+    ("outlines", 'format (without "type")'),
+}
+
+
+def _cases() -> list[tuple[str, str, dict[str, Any]]]:
+    out = [(b, k, s) for b in BACKENDS for k, s in KEYWORD_SCHEMAS.items()]
+    return out + [("outlines", k, s) for k, s in OUTLINES_ONLY.items()]
+
+
+@pytest.mark.parametrize(("backend", "keyword", "schema"), _cases())
+def test_unsupported_keyword_is_rejected_by_name_unless_best_effort(
+    backend: str,
+    keyword: str,
+    schema: dict[str, Any],
+    backends: dict[str, GrammarBackend],
+) -> None:
+    nested = {"type": "object", "properties": {"field": schema}, "required": ["field"]}
+    strict = Constraint.from_params(json_schema=nested)
+    assert strict is not None
+    with pytest.raises(GrammarError) as err:
+        backends[backend].validate(strict)
+    message = str(err.value)
+    assert f"{NAMED_AS.get((backend, keyword), keyword)} (at #/properties/field)" in message
+    assert backend in message and "best-effort" in message
+    lenient = Constraint.from_params(json_schema=nested, best_effort=True)
+    assert lenient is not None
+    if (backend, keyword) in CANNOT_COMPILE:
+        with pytest.raises(GrammarError):
+            backends[backend].compile(lenient)
+        return
+    backends[backend].validate(lenient)
+    if backend == "xgrammar":  # outlines' generic-JSON DFAs take seconds: validate only
+        backends[backend].compile(lenient)
+
+
+def test_unsupported_keywords_are_all_listed_and_annotations_pass() -> None:
+    schema = {
+        "title": "T",
+        "description": "annotations constrain nothing",
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "uniqueItems": True, "items": {"format": "regex"}},
+            "uniqueItems": {
+                "type": "string",
+                "examples": ["a property may be named like a keyword"],
+            },
+            "n": {"type": "number", "multipleOf": 2, "default": 4},
+        },
+        "x-vendor": {"uniqueItems": True},  # unknown keywords are not walked
+    }
+    found = {(u.keyword, u.path) for u in find_unsupported(schema, XGRAMMAR_SUPPORT)}
+    assert found == {
+        ("uniqueItems", "#/properties/tags"),
+        ("format: 'regex'", "#/properties/tags/items"),
+        ('format (without "type")', "#/properties/tags/items"),
+        ("multipleOf (on a non-integer schema)", "#/properties/n"),
+    }
+    # Keys are strings: a pattern under propertyNames needs no "type".
+    keys = {"type": "object", "propertyNames": {"pattern": "^a"}, "additionalProperties": True}
+    assert find_unsupported(keys, XGRAMMAR_SUPPORT) == []
+    assert ("multipleOf", "#/properties/n") in {
+        (u.keyword, u.path) for u in find_unsupported(schema, OUTLINES_SUPPORT)
+    }
+    assert find_unsupported({"type": "array", "uniqueItems": False}, XGRAMMAR_SUPPORT) == []
+
+
+# keyword -> (schema, valid instance, invalid instance), for keywords a backend claims to enforce.
+ENFORCED: dict[str, tuple[dict[str, Any], Any, Any]] = {
+    "pattern": (S(type="string", pattern="^a+$"), "aaa", "ab"),
+    "format": (S(type="string", format="date"), "2024-01-02", "yesterday"),
+    "minLength": (S(type="string", minLength=3), "abc", "ab"),
+    "maxLength": (S(type="string", maxLength=3), "abc", "abcd"),
+    "minItems": (S(type="array", items=S(type="integer"), minItems=2), [1, 2], [1]),
+    "maxItems": (S(type="array", items=S(type="integer"), maxItems=2), [1, 2], [1, 2, 3]),
+    "prefixItems": (S(type="array", prefixItems=[S(type="string")], items=False), ["a"], [1]),
+    "enum": (S(enum=["a", 1]), "a", "b"),
+    "const": (S(const="a"), "a", "b"),
+    "anyOf": (S(anyOf=[S(type="string"), S(type="integer")]), 1, [1]),
+    "allOf": (S(allOf=[S(type="integer")]), 4, "x"),
+    "required": (S(type="object", properties=S(a=S(type="integer")), required=["a"]), {"a": 1}, {}),
+    "additionalProperties": (
+        S(type="object", additionalProperties=S(type="integer")),
+        {"a": 1, "b": 2},
+        {"a": 1, "b": "x"},
+    ),
+    "minProperties": (
+        S(type="object", additionalProperties=S(type="integer"), minProperties=1),
+        {"a": 1},
+        {},
+    ),
+    "$ref": (
+        {
+            "$defs": {"x": S(type="integer")},
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/x"}},
+        },
+        {"a": 1},
+        {"a": "s"},
+    ),
+    "minimum": (S(type="integer", minimum=5), 5, 4),
+    "exclusiveMaximum": (S(type="number", exclusiveMaximum=2), 1.5, 2),
+    "multipleOf": (S(type="integer", multipleOf=3), 6, 7),
+    "maxProperties": (
+        S(type="object", additionalProperties=S(type="integer"), maxProperties=1),
+        {"a": 1},
+        {"a": 1, "b": 2},
+    ),
+    "propertyNames": (
+        S(type="object", propertyNames=S(pattern="^a.*$"), additionalProperties=S(type="integer")),
+        {"ab": 1},
+        {"b": 1},
+    ),
+    "patternProperties": (
+        S(
+            type="object",
+            patternProperties={"^a.*$": S(type="integer")},
+            additionalProperties=False,
+        ),
+        {"ab": 1},
+        {"b": 1},
+    ),
+}
+
+
+def _enforced_cases() -> list[tuple[str, str]]:
+    support = {"xgrammar": XGRAMMAR_SUPPORT, "outlines": OUTLINES_SUPPORT}
+    return [(b, k) for b in BACKENDS for k in ENFORCED if k in support[b].keywords]
+
+
+def _accepts(compiled: Any, tokenizer: Any, instance: Any) -> bool:
+    text = json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
+    matcher = compiled.new_matcher()
+    return matcher.accept_tokens(tokenizer.encode(text)) and matcher.is_completed()
+
+
+@pytest.mark.parametrize(("backend", "keyword"), _enforced_cases())
+def test_claimed_keywords_are_enforced(
+    backend: str, keyword: str, tokenizer: Any, compile_for: Compile
+) -> None:
+    schema, good, bad = ENFORCED[keyword]
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    compiled = compile_for(backend, c)
+    assert _accepts(compiled, tokenizer, good)
+    assert not _accepts(compiled, tokenizer, bad)
+
+
+FORMAT_EXAMPLES = {
+    "email": "a@b.co",
+    "date": "2024-01-02",
+    "time": "10:11:12Z",
+    "date-time": "2024-01-02T10:11:12Z",
+    "duration": "P1D",
+    "uuid": "12345678-1234-1234-1234-123456789abc",
+    "uri": "http://a.b/c",
+    "uri-reference": "/c",
+    "uri-template": "/a/{b}",
+    "ipv4": "1.2.3.4",
+    "ipv6": "::1",
+    "hostname": "a.com",
+    "json-pointer": "/a",
+    "relative-json-pointer": "0/a",
+}
+
+
+def _format_cases() -> list[tuple[str, str]]:
+    support = {"xgrammar": XGRAMMAR_SUPPORT, "outlines": OUTLINES_SUPPORT}
+    return [(b, f) for b in BACKENDS for f in sorted(support[b].formats)]
+
+
+@pytest.mark.parametrize(("backend", "fmt"), _format_cases())
+def test_claimed_formats_are_enforced(
+    backend: str, fmt: str, tokenizer: Any, compile_for: Compile
+) -> None:
+    schema = S(type="string", format=fmt)
+    compiled = compile_for(backend, Constraint("json_schema", json.dumps(schema)))
+    assert not _accepts(compiled, tokenizer, "not valid !!{{ ((")
+    if (backend, fmt) != ("outlines", "uri"):  # outlines' uri pattern is over-strict
+        assert _accepts(compiled, tokenizer, FORMAT_EXAMPLES[fmt])
