@@ -54,6 +54,17 @@ ENGINE_CONFIGS = [  # (max_running_requests, max_batched_tokens, chunked_prefill
 QUICK_CONFIGS = [(64, 512, 512), (64, 1024, 512)]
 
 
+def now() -> tuple[float, float]:
+    """(wall, process CPU) seconds. CPU time (all threads of this process) is the number that
+    other work on a shared box disturbs least; wall time is the headline."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(t0: tuple[float, float]) -> tuple[float, float]:
+    wall, cpu = now()
+    return wall - t0[0], cpu - t0[1]
+
+
 # ---- workload ---------------------------------------------------------------------------------
 
 
@@ -109,7 +120,7 @@ def run_hf(model_dir: Path, dtype: torch.dtype, wl: Workload, batch_size: int) -
     _hf_generate(model, [[1, 2, 3, 4]], 4, pad)  # warm-up
     outputs: list[list[int]] = []
     batches = []
-    t0 = time.perf_counter()
+    t0 = now()
     for i in range(0, len(wl.prompts), batch_size):
         prompts, lens = wl.prompts[i : i + batch_size], wl.output_lens[i : i + batch_size]
         tb = time.perf_counter()
@@ -125,16 +136,18 @@ def run_hf(model_dir: Path, dtype: torch.dtype, wl: Workload, batch_size: int) -
                 "seconds": round(time.perf_counter() - tb, 3),
             }
         )
-    wall = time.perf_counter() - t0
+    wall, cpu = since(t0)
     generated = sum(b["generated_tokens"] for b in batches)
     del model
     return {
         "batch_size": batch_size,
         "wall_seconds": round(wall, 3),
+        "cpu_seconds": round(cpu, 3),
         "useful_tokens": wl.useful_tokens,
         "generated_tokens_incl_padding_rows": generated,
         "useful_fraction": round(wl.useful_tokens / generated, 3),
         "output_tok_per_s": round(wl.useful_tokens / wall, 2),
+        "output_tok_per_cpu_s": round(wl.useful_tokens / cpu, 2),
         "batches": batches,
         "_outputs": outputs,
     }
@@ -196,9 +209,9 @@ def run_radixlm(args, wl: Workload, cfg: tuple[int, int, int]) -> dict[str, Any]
         engine.wait_idle()
         engine.flush_cache()
         steps = _record_steps(engine)
-        t0 = time.perf_counter()
+        t0 = now()
         results = engine.generate(wl.prompts, [greedy(n) for n in wl.output_lens])
-        wall = time.perf_counter() - t0
+        wall, cpu = since(t0)
         stats = engine.stats()
     finally:
         engine.shutdown()
@@ -208,19 +221,27 @@ def run_radixlm(args, wl: Workload, cfg: tuple[int, int, int]) -> dict[str, Any]
             raise RuntimeError(f"radixlm request failed: {res.error or len(res.output_token_ids)}")
         outputs.append(res.output_token_ids)
     decode = [s for s in steps if s.num_prefill_tokens == 0]
+    prefill = [s for s in steps if s.num_prefill_tokens > 0]
     return {
         "max_running_requests": cfg[0],
         "max_batched_tokens": cfg[1],
         "chunked_prefill_size": cfg[2],
         "schedule_policy": args.policy,
         "wall_seconds": round(wall, 3),
+        "cpu_seconds": round(cpu, 3),
         "useful_tokens": wl.useful_tokens,
         "output_tok_per_s": round(wl.useful_tokens / wall, 2),
+        "output_tok_per_cpu_s": round(wl.useful_tokens / cpu, 2),
         "num_steps": len(steps),
         "num_decode_only_steps": len(decode),
         "sum_step_seconds": round(sum(s.step_seconds for s in steps), 3),
         "sum_forward_seconds": round(sum(s.forward_seconds for s in steps), 3),
         "loop_seconds_outside_step": round(wall - sum(s.step_seconds for s in steps), 3),
+        "decode_only_steps_seconds": round(sum(s.step_seconds for s in decode), 3),
+        "decode_only_mean_batch": round(
+            statistics.mean([s.num_requests for s in decode] or [0]), 1
+        ),
+        "prefill_steps_seconds": round(sum(s.step_seconds for s in prefill), 3),
         "cache_hit_tokens": stats.cache_hit_tokens,
         "num_retractions": stats.num_retractions,
         "_outputs": outputs,
@@ -293,22 +314,24 @@ def measure_step_overhead(
     bare_forward = timer.wrap(runner, "forward", "forward")
     timer.wrap(proc, "sample_and_append", "sample_and_append")
     timer.wrap(proc, "sampler", "sampler")
-    timer.wrap(proc, "_append", "append_detok_stop")
+    # Engine internals get renamed: time the first per-token append method that exists.
+    append = next((n for n in ("_append_sampled", "_append") if hasattr(proc, n)), None)
+    if append is not None:
+        timer.wrap(proc, append, "append_detok_stop")
     timer.wrap(proc, "drain", "drain")
-    step_times, fwd_times = [], []
+    step_times, fwd_times = [], []  # (wall, cpu) pairs
     for k in range(iters):
         items = schedule()  # unwrapped; idempotent for running decodes (pages ensured once)
         fb = build_batch(items, {id(i.req) for i in items})
         assert fb.is_decode_only and fb.batch_size == batch
         for first in ("fwd", "step") if k % 2 == 0 else ("step", "fwd"):
+            t = now()
             if first == "fwd":
-                t = time.perf_counter()
                 bare_forward(fb)
-                fwd_times.append(time.perf_counter() - t)
+                fwd_times.append(since(t))
             else:
-                t = time.perf_counter()
                 sched.step()
-                step_times.append(time.perf_counter() - t)
+                step_times.append(since(t))
     phases = dict(timer.totals)
     timer.reset()
     seq_lens = [r.num_tokens for r in sched.running]
@@ -317,24 +340,27 @@ def measure_step_overhead(
 
 
 def _overhead_summary(batch, iters, step_times, fwd_times, phases, seq_lens, profile_text):
-    step_med, fwd_med = statistics.median(step_times), statistics.median(fwd_times)
+    def med(pairs, i):
+        return statistics.median(p[i] for p in pairs)
+
+    step_wall, step_cpu = statistics.mean(t[0] for t in step_times), med(step_times, 1)
     per_step = {k: v / iters for k, v in phases.items()}  # only step()'s own calls are wrapped
     nested = per_step.get("sampler", 0.0) + per_step.get("append_detok_stop", 0.0)
     per_step["sample_and_append_other"] = per_step.pop("sample_and_append", 0.0) - nested
-    accounted = sum(per_step.values())
-    per_step["step_other"] = statistics.mean(step_times) - accounted
+    per_step["step_other"] = step_wall - sum(per_step.values())
+    in_step_fwd = per_step["forward"]
     return {
         "batch": batch,
         "iters": iters,
         "seq_len_min_max_at_end": [min(seq_lens), max(seq_lens)],
-        "step_ms_median": round(step_med * 1e3, 3),
-        "step_ms_mean": round(statistics.mean(step_times) * 1e3, 3),
-        "bare_forward_ms_median": round(fwd_med * 1e3, 3),
-        "bare_forward_ms_mean": round(statistics.mean(fwd_times) * 1e3, 3),
-        "overhead_pct_median": round((step_med / fwd_med - 1) * 100, 2),
-        "overhead_pct_mean": round(
-            (statistics.mean(step_times) / statistics.mean(fwd_times) - 1) * 100, 2
-        ),
+        "step_ms_median": round(med(step_times, 0) * 1e3, 3),
+        "bare_forward_ms_median": round(med(fwd_times, 0) * 1e3, 3),
+        "overhead_pct_median": round((med(step_times, 0) / med(fwd_times, 0) - 1) * 100, 2),
+        "step_cpu_ms_median": round(step_cpu * 1e3, 3),
+        "bare_forward_cpu_ms_median": round(med(fwd_times, 1) * 1e3, 3),
+        "overhead_pct_cpu_median": round((step_cpu / med(fwd_times, 1) - 1) * 100, 2),
+        # Same step() calls, outside vs inside runner.forward: free of pairing noise.
+        "overhead_pct_in_step": round((step_wall - in_step_fwd) / in_step_fwd * 100, 2),
         "phase_ms_mean_per_step": {k: round(v * 1e3, 3) for k, v in per_step.items()},
         "profile_top": profile_text,
     }
@@ -388,45 +414,79 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch_threads": threads,
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "git": _git_state(),
     }
+
+
+def _git_state() -> str:
+    """HEAD commit, plus "+dirty" when the engine sources differ from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno", "--", "radixlm"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def print_report(res: dict[str, Any]) -> None:
     hf, best = res.get("hf"), res["radixlm_best"]
-    print("\n== throughput (useful output tokens / wall) ==")
-    print(f"{'system':<44}{'wall s':>9}{'tok/s':>9}")
+    print("\n== throughput: useful output tokens / wall s (and / process CPU s) ==")
+    print(f"{'system':<44}{'wall s':>8}{'tok/s':>8}{'CPU s':>8}{'tok/CPU-s':>11}")
+    rows = []
     if hf:
-        print(
-            f"{'transformers generate, static batches of ' + str(hf['batch_size']):<44}"
-            f"{hf['wall_seconds']:>9.1f}{hf['output_tok_per_s']:>9.1f}"
-        )
+        rows.append((f"transformers generate, static batches of {hf['batch_size']}", hf))
     for r in res["radixlm"]:
         name = (
             f"radixlm run={r['max_running_requests']} tokens={r['max_batched_tokens']} "
             f"chunk={r['chunked_prefill_size']}"
         )
-        print(f"{name:<44}{r['wall_seconds']:>9.1f}{r['output_tok_per_s']:>9.1f}")
+        rows.append((name, r))
+    for name, r in rows:
+        print(
+            f"{name:<44}{r['wall_seconds']:>8.1f}{r['output_tok_per_s']:>8.1f}"
+            f"{r['cpu_seconds']:>8.1f}{r['output_tok_per_cpu_s']:>11.1f}"
+        )
     if hf:
         print(
-            f"ratio radixlm(best)/transformers: {res['ratio']:.2f}x (target >= 4x); "
-            f"HF useful fraction {hf['useful_fraction']:.2f}; "
-            f"first-8-token agreement {res['greedy_agreement_first8']:.2f}"
+            f"ratio radixlm(best)/transformers: {res['ratio']:.2f}x wall, "
+            f"{res['ratio_cpu']:.2f}x CPU (target >= 4x); HF useful fraction "
+            f"{hf['useful_fraction']:.2f}; first-8-token agreement "
+            f"{res['greedy_agreement_first8']:.2f}"
         )
     print(
-        f"best radixlm: {best['num_steps']} steps, forward {best['sum_forward_seconds']:.1f} s, "
-        f"step {best['sum_step_seconds']:.1f} s, "
-        f"outside step {best['loop_seconds_outside_step']:.2f} s, "
-        f"cache hits {best['cache_hit_tokens']}, retractions {best['num_retractions']}"
+        f"best radixlm: {best['num_steps']} steps ({best['num_decode_only_steps']} decode-only, "
+        f"mean batch {best['decode_only_mean_batch']}, {best['decode_only_steps_seconds']:.1f} s; "
+        f"with prefill {best['prefill_steps_seconds']:.1f} s), forward "
+        f"{best['sum_forward_seconds']:.1f} s of {best['sum_step_seconds']:.1f} s in step(), "
+        f"{best['loop_seconds_outside_step']:.2f} s outside; cache hits "
+        f"{best['cache_hit_tokens']}, retractions {best['num_retractions']}"
     )
-    print("\n== decode step vs bare forward of the same ForwardBatch ==")
-    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'overhead':>10}  phases (ms/step)")
+    print("\n== decode-only step() vs bare runner.forward of the same ForwardBatch (medians) ==")
+    print(
+        f"{'batch':>5}{'step ms':>9}{'fwd ms':>9}{'ovh':>7}{'step CPU':>10}{'fwd CPU':>9}"
+        f"{'ovh':>7}{'in-step ovh':>12}  phases (ms/step, mean)"
+    )
     for o in res["step_overhead"]:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in o["phase_ms_mean_per_step"].items())
         print(
-            f"{o['batch']:>6}{o['step_ms_median']:>10.2f}{o['bare_forward_ms_median']:>12.2f}"
-            f"{o['overhead_pct_median']:>9.1f}%  {phases}"
+            f"{o['batch']:>5}{o['step_ms_median']:>9.1f}{o['bare_forward_ms_median']:>9.1f}"
+            f"{o['overhead_pct_median']:>6.1f}%{o['step_cpu_ms_median']:>10.1f}"
+            f"{o['bare_forward_cpu_ms_median']:>9.1f}{o['overhead_pct_cpu_median']:>6.1f}%"
+            f"{o['overhead_pct_in_step']:>11.1f}%  {phases}"
         )
+    for o in res["step_overhead"]:
         if o["profile_top"]:
+            print(f"\n-- profile of 10 + 10 decode steps, batch {o['batch']} --")
             print(o["profile_top"])
 
 
@@ -442,7 +502,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/batching.json"))
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (both sides)")
     p.add_argument("--policy", default="fcfs", help="radixlm schedule policy (no prefix hits here)")
-    p.add_argument("--step-batches", default="16", help="comma list of decode batch sizes")
+    p.add_argument("--step-batches", default="16,64", help="comma list of decode batch sizes")
     p.add_argument("--step-iters", type=int, default=40)
     p.add_argument(
         "--configs",
@@ -485,6 +545,9 @@ def main() -> None:
             f"transformers: {res['hf']['output_tok_per_s']} tok/s in {res['hf']['wall_seconds']} s"
         )
         res["ratio"] = round(best["output_tok_per_s"] / res["hf"]["output_tok_per_s"], 3)
+        res["ratio_cpu"] = round(
+            best["output_tok_per_cpu_s"] / res["hf"]["output_tok_per_cpu_s"], 3
+        )
         res["greedy_agreement_first8"] = agreement(best["_outputs"], res["hf"]["_outputs"])
     res["step_overhead"] = [
         measure_step_overhead(args, prompt_range, int(b), iters)
