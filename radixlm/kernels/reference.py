@@ -164,3 +164,39 @@ class TorchAttentionBackend:
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, self._batch.out_cache_loc, k, v)
         return paged_attention(q, k_buf, v_buf, self._plan, scale)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H], updated in place to x + residual
+) -> torch.Tensor:  # [T, H]
+    """Twin of `fused_ops.rms_norm`; the numerics of `models.llama.RMSNorm` (fp32 statistics,
+    cast to the input dtype, then the weight multiply), with the residual add rounded to the
+    input dtype first when given."""
+    if residual is not None:
+        residual.copy_(x + residual)
+        x = residual
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_ref(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos: torch.Tensor,  # [P, D]
+    sin: torch.Tensor,  # [P, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of `fused_ops.apply_rope`: neox rotate-half, as `models.llama.RotaryEmbedding`."""
+    c = cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    half = q.shape[-1] // 2
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s

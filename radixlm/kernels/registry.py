@@ -5,12 +5,16 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 _BACKENDS: dict[str, type] = {}
 # Backends whose module is imported only when asked for (keeps CUDA-only code out of CPU imports).
-_LAZY: dict[str, str] = {"torch": "radixlm.kernels.reference"}
+_LAZY: dict[str, str] = {
+    "torch": "radixlm.kernels.reference",
+    "triton": "radixlm.kernels.triton_backend",
+}
 
 
 def register_attention_backend(name: str) -> Callable[[type], type]:
@@ -22,12 +26,17 @@ def register_attention_backend(name: str) -> Callable[[type], type]:
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
-    """`auto` picks the fastest backend available for the device."""
+    """`auto` picks the fastest backend available for the device: `triton` on CUDA when the
+    triton package is installed (looked up, not imported), else `torch`."""
     if name != "auto":
         return name
-    if device_type == "cuda" and "triton" in available_backends():
+    if device_type == "cuda" and "triton" in available_backends() and _triton_installed():
         return "triton"
     return "torch"
+
+
+def _triton_installed() -> bool:
+    return "triton" in _BACKENDS or importlib.util.find_spec("triton") is not None
 
 
 def available_backends() -> list[str]:
@@ -36,7 +45,10 @@ def available_backends() -> list[str]:
 
 def create_attention_backend(name: str, kv_cache: Any) -> Any:
     if name not in _BACKENDS and name in _LAZY:
-        importlib.import_module(_LAZY[name])
+        try:
+            importlib.import_module(_LAZY[name])
+        except ImportError as e:
+            raise ImportError(f"attention_backend {name!r} is unavailable: {e}") from e
     if name not in _BACKENDS:
         raise ValueError(
             f"unknown attention_backend {name!r}; available: {', '.join(available_backends())}"
