@@ -88,6 +88,8 @@ class ModelRunner:
         )
         self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
         self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
+        if self.attention_backend_name == "triton":
+            model.enable_fused_ops()
         logger.info(
             "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s",
             model_dir.name,

@@ -21,8 +21,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # Triton kernel (set by `enable_fused_ops`, GPU path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if self.fused:
+            from radixlm.kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -57,10 +62,15 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = False
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D]
+        if self.fused:
+            from radixlm.kernels.fused_ops import apply_rope
+
+            return apply_rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -121,8 +131,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), batch, rope, attn)
+        norm = self.post_attention_layernorm
+        if norm.fused:
+            from radixlm.kernels.fused_ops import rms_norm
+
+            y = rms_norm(h, norm.weight, norm.eps, residual=x)  # x <- x + h, one pass
+            return x + self.mlp(y)
+        x = x + h
+        return x + self.mlp(norm(x))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,6 +166,12 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config, head_dim, max_positions or config.max_position_embeddings
         )
+
+    def enable_fused_ops(self) -> None:
+        """Use the Triton RMSNorm (+residual) and RoPE kernels (the GPU path)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = True
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding (again after `to_empty`, which unties)."""
