@@ -46,11 +46,15 @@ def main() -> None:
         results = engine.generate(prompts, params)
         dt = time.perf_counter() - t0
         for q, r in zip(QUESTIONS, results):
-            print(f"Q: {q}\nA: {r.text.strip()}  [{r.finish_reason}, cached {r.usage.cached_tokens}"
-                  f"/{r.usage.prompt_tokens} prompt tokens]\n")
+            print(
+                f"Q: {q}\nA: {r.text.strip()}  [{r.finish_reason}, cached {r.usage.cached_tokens}"
+                f"/{r.usage.prompt_tokens} prompt tokens]\n"
+            )
         s = engine.stats()
         n = sum(r.usage.completion_tokens for r in results)
-        print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s); cache hit rate {s.cache_hit_rate:.2f}")
+        print(
+            f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s); cache hit rate {s.cache_hit_rate:.2f}"
+        )
 
 
 if __name__ == "__main__":

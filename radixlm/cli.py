@@ -23,6 +23,10 @@ _HELP = {
     "num_threads": "torch CPU threads",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
+    "grammar_backend": "constrained decoding backend: xgrammar | outlines",
+    "enable_jump_forward": "append the text a grammar forces without sampling it "
+    "(--disable-jump-forward turns it off)",
+    "grammar_timeout_s": "seconds a grammar may take to compile before its request fails",
     "page_size": "tokens per KV page",
     "num_pages": "KV pool size in pages (overrides the memory budget)",
     "kv_memory_bytes": "KV pool budget in bytes",
@@ -69,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 default=default,
                 help=f"{_HELP.get(f.name, f.name)} (default: {default})",
             )
+    group.add_argument(
+        "--disable-jump-forward",
+        dest="enable_jump_forward",
+        action="store_false",
+        help="same as --enable-jump-forward false",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

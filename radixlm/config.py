@@ -70,12 +70,19 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's choice
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step
+    grammar_backend: str = "xgrammar"  # constrained decoding: "xgrammar" | "outlines"
+    enable_jump_forward: bool = True  # append grammar-forced tokens without sampling them
+    grammar_timeout_s: float = 30.0  # a grammar compiling longer fails its request
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        # NOTE: grammar_backend is checked against the registry by the Engine (importing it
+        # here would pull in torch).
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

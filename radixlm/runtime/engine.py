@@ -3,6 +3,10 @@
 Callers on any thread (or an asyncio loop) submit requests through a queue; the loop thread alone
 touches the scheduler, cache and model. Results come back through per-request sinks: a
 `threading` queue for `generate`/`stream`, an `asyncio.Queue` for the async variants.
+
+Constrained requests: `submit` validates the constraint on the caller's thread (a `ValueError`
+naming the problem, nothing queued) and starts its compile in the grammar manager's thread pool;
+the future's completion wakes the loop, which never waits on a compile.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +29,9 @@ from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usa
 from radixlm.runtime.request import Request, RequestOutput
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from radixlm.runtime.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,12 @@ class Engine:
 
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
         cfg = self.config
+        from radixlm.runtime.grammar import backend_names
+
+        if cfg.grammar_backend not in backend_names():
+            raise ValueError(
+                f"grammar_backend must be one of {backend_names()}, got {cfg.grammar_backend!r}"
+            )
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
@@ -85,6 +98,8 @@ class Engine:
         )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._grammar: GrammarManager | None = None
+        self._grammar_lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
         self._thread.start()
@@ -108,6 +123,35 @@ class Engine:
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    @property
+    def grammar_manager(self) -> GrammarManager:
+        """The grammar manager (compile pool + cache), created on first use: importing a
+        grammar backend costs seconds that unconstrained use should not pay. Raises
+        `ValueError` when the configured backend is not installed."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                from radixlm.runtime.constrained import GrammarStep
+                from radixlm.runtime.grammar import GrammarManager
+
+                cfg = self.config
+                try:
+                    mgr = GrammarManager(
+                        self.tokenizer,
+                        self.runner.vocab_size,
+                        self.eos_token_ids,
+                        backend=cfg.grammar_backend,
+                        timeout_s=cfg.grammar_timeout_s,
+                        jump_forward_enabled=cfg.enable_jump_forward,
+                    )
+                except ImportError as exc:
+                    raise ValueError(
+                        f"grammar backend {cfg.grammar_backend!r} is not installed "
+                        f"(pip install 'radixlm[grammar]'): {exc}"
+                    ) from None
+                self.processor.set_grammar(GrammarStep(mgr, self.device))
+                self._grammar = mgr
+            return self._grammar
 
     def submit(
         self,
@@ -135,6 +179,11 @@ class Engine:
             sink=sink,
             namespace=namespace,
         )
+        if params.constraint is not None:
+            mgr = self.grammar_manager
+            mgr.validate(params.constraint)  # GrammarError (a ValueError) names the problem
+            req.grammar_future = mgr.submit(params.constraint)
+            req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None)))
         self.processor.init_request(req)
         self._inbox.put(("add", req))
         return req.request_id
@@ -235,6 +284,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             s = self.scheduler
+            g = self.processor.grammar
             cs = self.cache.stats()
             return EngineStats(
                 num_running=len(s.running),
@@ -251,6 +301,8 @@ class Engine:
                 computed_prompt_tokens=s.total_computed_prompt_tokens,
                 generated_tokens=s.total_generated_tokens,
                 num_retractions=s.num_retractions,
+                num_forwards=s.num_forwards,
+                num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
                 last_step_tokens=s.last_step.num_tokens,
                 last_step_seconds=s.last_step.step_seconds,
             )
@@ -286,6 +338,8 @@ class Engine:
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+        if self._grammar is not None:
+            self._grammar.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -298,7 +352,9 @@ class Engine:
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)
         while not self._stopped.is_set():
-            block = not self.scheduler.has_work()
+            # NOTE: requests waiting only for a grammar compile do not spin the loop; the
+            # compile's completion puts a "wake" command in the inbox.
+            block = not self.scheduler.has_ready_work()
             try:
                 cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -310,7 +366,7 @@ class Engine:
                         cmd = self._inbox.get_nowait()
                     except queue.Empty:
                         cmd = None
-                if self.scheduler.has_work() and not self._stopped.is_set():
+                if self.scheduler.has_ready_work() and not self._stopped.is_set():
                     self._step()
         with self._lock:
             for req in [*self.scheduler.running, *self.scheduler.waiting]:

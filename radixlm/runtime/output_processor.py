@@ -2,6 +2,11 @@
 
 Runs on the engine's step thread. Outputs are queued during a step and handed to the requests'
 sinks by `drain()` at the end of the step, after the scheduler has released finished pages.
+
+Constrained requests (`req.grammar`): the logits are masked by `GrammarStep` before sampling, and
+one sample may append several tokens (jump-forward); they go through the same per-token stop
+checks (stop strings, `max_new_tokens`), the first finish wins, and the step emits one delta per
+request. Logprobs are the raw model's (before the grammar mask); forced tokens report 0.0.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from typing import Any
 
 import torch
 
+from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, stop_token_hit
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from radixlm.runtime.sampler import (
@@ -41,6 +47,11 @@ class OutputProcessor:
         self._pending: list[tuple[Request, RequestOutput]] = []
         # Per-request cursor: how many output tokens / logprobs were already emitted.
         self._emitted: dict[int, int] = {}
+        self.grammar: GrammarStep | None = None  # set (once) when the first grammar is needed
+        self.num_output_tokens = 0  # tokens appended to outputs: sampled and forced
+
+    def set_grammar(self, step: GrammarStep) -> None:
+        self.grammar = step
 
     # ---- request setup -------------------------------------------------------------------------
 
@@ -64,6 +75,11 @@ class OutputProcessor:
             arrival_time=parent.arrival_time,
         )
         self.init_request(child)
+        if parent.grammar is not None:
+            # NOTE: branches fork before the parent's first sample: the states are equal.
+            assert parent.grammar.num_accepted == 0, "forking a matcher that accepted tokens"
+            child.grammar = parent.grammar.fork()
+        child.grammar_future = parent.grammar_future
         return child
 
     # ---- per step ------------------------------------------------------------------------------
@@ -80,6 +96,13 @@ class OutputProcessor:
         suppress = [
             min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
         ]
+        raw = None
+        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+            if any(r.grammar is not None and r.params.logprobs for r in reqs):
+                raw = logits.clone()  # [B, V] logprobs are the unmasked model's
+            # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
+            # output or the row gather above), read by nothing else.
+            suppress = self.grammar.mask(reqs, logits, suppress)
         needs_hist = any(p.needs_penalties for p in params)
         info = SamplingBatchInfo.build(
             params,
@@ -90,19 +113,64 @@ class OutputProcessor:
             logits.device,
             suppress_token_ids=suppress,
         )
-        out = self.sampler(logits, info)
+        out = self.sampler(logits, info, raw_logits=raw)
         finished = []
         now = time.monotonic()
         for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
+            lp = None
             if req.params.logprobs:
                 top = out.top_logprobs[i] if out.top_logprobs else None
-                req.output_logprobs.append(TokenLogprob(tok, out.logprobs[i], top or []))
-            if self._append(req, tok, now):
+                lp = TokenLogprob(tok, out.logprobs[i], top or [])
+            if req.grammar is None:
+                done = self._append_sampled(req, tok, lp, now)
+            else:
+                done = self._append_constrained(req, tok, lp, now)
+            if done:
                 finished.append(req)
         return finished
 
-    def _append(self, req: Request, tok: int, now: float) -> bool:
+    def _append_sampled(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        done, delta = self._push(req, tok, now)
+        self._queue(req, delta)
+        return done
+
+    def _append_constrained(
+        self, req: Request, tok: int, lp: TokenLogprob | None, now: float
+    ) -> bool:
+        """Accept `tok` in the request's grammar, jump forward, and append the result token by
+        token until the first finish."""
+        assert self.grammar is not None
+        growth = min(
+            req.params.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens
+        )
+        adv = self.grammar.advance(req, tok, growth - 1)
+        if adv is None:
+            self.fail(req, f"internal error: the grammar rejected sampled token {tok}")
+            return True
+        text = []
+        done = False
+        for k, t in enumerate(adv.token_ids):
+            if req.params.logprobs:
+                sampled = lp if k == 0 and adv.sampled_kept else None
+                req.output_logprobs.append(sampled or TokenLogprob(t, 0.0))
+            last = k == len(adv.token_ids) - 1
+            done, delta = self._push(req, t, now, grammar_stop=last and adv.must_stop)
+            text.append(delta)
+            if done:
+                break
+        self._queue(req, "".join(text))
+        return done
+
+    def _push(
+        self, req: Request, tok: int, now: float, grammar_stop: bool = False
+    ) -> tuple[bool, str]:
+        """Append one token and run the stop checks; returns (finished, new text).
+        `grammar_stop`: the grammar is complete after this token (finish "stop", before any
+        length limit)."""
         req.token_ids.append(tok)
+        self.num_output_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
         n_out = req.num_output_tokens
@@ -117,6 +185,8 @@ class OutputProcessor:
             if req.detokenizer.stopped:
                 reason = "stop"
                 req.stop_reason = req.detokenizer.stop_reason
+        if reason is None and grammar_stop:
+            reason = "stop"
         if reason is None and (
             n_out >= req.params.max_new_tokens or req.num_tokens >= self.max_model_len
         ):
@@ -127,8 +197,7 @@ class OutputProcessor:
             req.finish_time = now
             if req.detokenizer is not None:
                 delta += req.detokenizer.finish()
-        self._queue(req, delta)
-        return reason is not None
+        return reason is not None, delta
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request from outside sampling (abort)."""
@@ -179,6 +248,7 @@ class OutputProcessor:
                     prompt_tokens=req.num_prompt_tokens,
                     cached_tokens=req.num_cached_tokens,
                     completion_tokens=req.num_output_tokens,
+                    prompt_logprobs=req.prompt_logprobs if finished else None,
                 ),
             )
         )

@@ -29,11 +29,14 @@ class Completion:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[float | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
         self.output_token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
@@ -53,6 +56,11 @@ class GenerateResult:
     @property
     def output_token_ids(self) -> list[int]:
         return self.outputs[0].output_token_ids
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """With `logprob_start_len=k`: logprob of each prompt token at positions k.. (None at 0)."""
+        return self.outputs[0].prompt_logprobs
 
     @property
     def finish_reason(self) -> str | None:
@@ -79,5 +87,7 @@ class EngineStats:
     computed_prompt_tokens: int  # prompt tokens actually run through the model (incl. recompute)
     generated_tokens: int
     num_retractions: int
+    num_forwards: int  # model forward passes
+    num_jump_forward_tokens: int  # output tokens appended by jump-forward, without a forward
     last_step_tokens: int
     last_step_seconds: float

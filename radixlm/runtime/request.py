@@ -2,7 +2,14 @@
 
 A request owns `token_ids` (prompt + generated) and `num_computed_tokens`: the tokens whose K/V
 are in its pages. Each step computes a slice of the difference; a prefix hit just starts
-`num_computed_tokens` above zero. The last sampled token is never computed until the next step.
+`num_computed_tokens` above zero. The last sampled token is never computed until the next step
+(after a jump-forward, several appended tokens are not: the next step extends by all of them).
+
+Constrained requests: `grammar_future` (set at submit) resolves to the compiled grammar; the
+scheduler admits the request only then and gives it `grammar`, its matcher. NOTE: the matcher
+has accepted exactly the output tokens (`output_token_ids`) at all times while the request is
+unfinished, so retraction (which keeps `token_ids`) needs nothing, and an n > 1 branch starts
+from a fork of its parent's matcher taken before the first sample.
 """
 
 from __future__ import annotations
@@ -10,12 +17,16 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixlm.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixlm.runtime.grammar import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +58,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None  # on the finishing delta, when asked
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -79,7 +91,12 @@ class Request:
     pending_forks: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    grammar_future: Future[CompiledGrammar] | None = field(default=None, repr=False)
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
     _prompt_page_hashes: list[int] | None = field(default=None, repr=False)
+    # logprob_start_len >= 0: entry j is the logprob of prompt token (start + j); None for
+    # position 0 (nothing predicts it).
+    prompt_logprobs: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -108,6 +125,27 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def grammar_pending(self) -> bool:
+        """Constrained, and its grammar is not compiled yet (or its failure not handled)."""
+        return self.grammar_future is not None and self.grammar is None
+
+    @property
+    def prompt_logprob_start(self) -> int | None:
+        """First prompt position whose logprob is wanted (None: prompt logprobs off)."""
+        k = self.params.logprob_start_len
+        if k < 0 or self.index != 0:
+            return None
+        return min(k, self.num_prompt_tokens)
+
+    def prompt_logprob_positions(self, start: int, n: int) -> range:
+        """Positions p in the chunk [start, start + n) whose logits predict a wanted prompt
+        token p + 1."""
+        k = self.prompt_logprob_start
+        if k is None:
+            return range(0)
+        return range(max(start, k - 1), min(start + n, self.num_prompt_tokens - 1))
 
     def prompt_page_hashes(self, page_size: int) -> list[int]:
         """Chained hashes of the prompt's full pages: entry k identifies `prompt[: (k+1)*ps]`."""

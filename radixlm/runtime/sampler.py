@@ -302,11 +302,17 @@ class Sampler:
         return gen
 
     def __call__(
-        self, logits: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None = None
+        self,
+        logits: Tensor,
+        info: SamplingBatchInfo,
+        vocab_mask: Tensor | None = None,
+        raw_logits: Tensor | None = None,
     ) -> SampleOutput:
         """Sample one token per row. ``logits`` is ``[B, V]`` of any float dtype (computed in
         float32). ``vocab_mask`` is an optional bool ``[B, V]`` allow-list (True = allowed),
-        e.g. a grammar bitmask unpacked by the caller."""
+        e.g. a grammar bitmask unpacked by the caller. ``raw_logits``: the model's logits when
+        the caller already masked ``logits`` in place (grammar bitmask); logprobs come from them.
+        """
         if info.all_greedy and not info.need_penalties and not info.need_logprobs:
             # Hot path: argmax is exact in the input dtype; no float32 copy, no sort.
             x = self._mask(logits, info, vocab_mask)
@@ -314,6 +320,8 @@ class Sampler:
 
         raw = logits.float()  # [B, V]; may alias the caller's tensor: ops below are out of place
         x = self._mask(raw, info, vocab_mask)
+        if raw_logits is not None:
+            raw = raw_logits.float()  # [B, V]
         if info.need_penalties:
             x = apply_penalties(x, info)
         rows = [i for i, g in enumerate(info.is_greedy) if not g]

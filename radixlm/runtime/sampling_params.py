@@ -5,15 +5,21 @@ Invariants after ``__post_init__`` (a ``SamplingParams`` is frozen, so they hold
 - every numeric field has the right type (``bool`` is never accepted as a number) and is finite;
 - ``top_k`` is ``-1`` (disabled) or ``>= 1`` (``0`` is normalized to ``-1``);
 - ``stop`` is a tuple of non-empty strings, ``stop_token_ids`` a tuple of ints ``>= 0``;
-- ``top_logprobs > 0`` implies ``logprobs`` (normalized to ``True``).
+- ``top_logprobs > 0`` implies ``logprobs`` (normalized to ``True``);
+- ``constraint`` is None or a ``Constraint`` (a mapping of ``Constraint.from_params`` keywords,
+  e.g. ``{"json_schema": schema}``, is converted); its deeper checks (metaschema, unsupported
+  keywords, regex syntax) happen in ``Engine.submit``, which knows the grammar backend.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixlm.runtime.grammar.base import Constraint
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
@@ -47,7 +53,8 @@ class SamplingParams:
 
     ``temperature == 0`` (or ``top_k == 1``) means greedy decoding. ``stop`` accepts a single
     string or a sequence of strings. ``seed`` makes sampling reproducible per request,
-    independent of the other requests in the batch.
+    independent of the other requests in the batch. ``constraint``: the output must match it
+    (JSON schema, regex, EBNF, choices; see ``radixlm.runtime.grammar.Constraint``).
     """
 
     max_new_tokens: int = 128
@@ -68,6 +75,10 @@ class SamplingParams:
     top_logprobs: int = 0
     n: int = 1
     include_stop_str_in_output: bool = False
+    constraint: Constraint | None = None
+    # Prompt logprobs (SGLang's name): >= 0 returns, for each prompt position i >= this, the
+    # logprob of prompt token i given the tokens before it. -1: off.
+    logprob_start_len: int = -1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -105,6 +116,9 @@ class SamplingParams:
         n = _check_int("n", self.n)
         if not 1 <= n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+        set_(self, "constraint", self._normalize_constraint(self.constraint))
+        if _check_int("logprob_start_len", self.logprob_start_len) < -1:
+            raise ValueError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}")
 
     def _set_float(self, name: str, ok: Any, rule: str) -> None:
         value = _check_float(name, getattr(self, name))
@@ -136,6 +150,25 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {ids!r}")
         return out
+
+    @staticmethod
+    def _normalize_constraint(value: Any) -> Constraint | None:
+        if value is None:
+            return None
+        from radixlm.runtime.grammar.base import Constraint
+
+        if isinstance(value, Constraint):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return Constraint.from_params(**value)
+            except TypeError as exc:  # an unknown keyword
+                raise ValueError(f"constraint: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"constraint: {exc}") from None
+        raise ValueError(
+            f"constraint must be a Constraint or a mapping of its fields, got {value!r}"
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -6,6 +6,11 @@ tokens and finish requests. Memory pressure: evict unlocked cache leaves (LRU), 
 running request with the least progress (its computed full pages go to the radix cache first, so
 recomputation is mostly prefix hits). A request that cannot fit even alone fails with an error.
 
+Constrained requests wait in the queue until their grammar is compiled (in the grammar
+manager's thread pool): admission skips them without holding up the requests behind them, and a
+failed compile fails only that request. A jump-forward leaves several uncomputed tokens; the
+next step extends by all of them like any other chunk (`n = min(num_uncomputed, ...)`).
+
 NOTE: invariants kept here
 - A request's `pages` are exactly the pages it holds one ref on; the full ones it shares with the
   tree form a root path, so releasing is one `pool.decref(req.pages)`.
@@ -21,8 +26,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.constrained import take_compiled_grammar
+from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus
 from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
@@ -79,6 +88,7 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
+        self.num_forwards = 0  # model forward passes (steps that ran the model)
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -100,6 +110,8 @@ class Scheduler:
         found = False
         for req in [r for r in self.waiting if r.request_id == request_id]:
             self.waiting.remove(req)
+            if req.grammar_future is not None:
+                req.grammar_future.cancel()  # a view: other requests' compiles go on
             self._finish(req, "abort")
             found = True
         for req in [r for r in self.running if r.request_id == request_id]:
@@ -111,12 +123,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_ready_work(self) -> bool:
+        """Work a step can do now: anything running, or a waiting request that is not waiting
+        for its grammar to compile (a finished compile counts: the step admits or fails it)."""
+        if self.running:
+            return True
+        return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
+
+    def _poll_grammars(self) -> None:
+        """Give each waiting request whose grammar compiled its matcher; fail (only) those
+        whose compile failed or timed out."""
+        for req in [r for r in self.waiting if r.grammar_pending]:
+            error = take_compiled_grammar(req)
+            if error is not None:
+                self.waiting.remove(req)
+                self.processor.fail(req, error)
+
     # ---- scheduling ----------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledItem]:
         cfg = self.config
         items: list[ScheduledItem] = []
         chunk_cap = cfg.chunked_prefill_size or math.inf
+        self._poll_grammars()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
@@ -139,9 +168,15 @@ class Scheduler:
             budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
             if budget <= 0:
                 break
+            if req.grammar_pending:
+                continue  # its grammar is compiling; the requests behind it go ahead
             if self._shares_inflight_prefix(req, inflight):
                 continue  # wait for the leader's prefill to land in the cache, then hit it
-            m = self.cache.match_prefix(req.token_ids[: req.num_tokens - 1], req.namespace)
+            usable = req.num_tokens - 1
+            if req.prompt_logprob_start is not None:
+                # Positions whose logits give the wanted prompt logprobs must be computed.
+                usable = min(usable, max(0, req.prompt_logprob_start - 1))
+            m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
             self.cache.lock(m.node)
             req.pages = list(m.pages)
             req.num_computed_tokens = m.num_tokens
@@ -267,10 +302,14 @@ class Scheduler:
         sample_items = [
             i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens
         ]
-        batch = self._build_batch(items, {id(i.req) for i in sample_items})
+        batch, sample_rows = self._build_batch(items, {id(i.req) for i in sample_items})
         t1 = time.perf_counter()
-        logits = self.runner.forward(batch)  # [len(sample_items), V]
+        logits = self.runner.forward(batch)  # [R, V]: prompt-logprob rows + one per sampler
+        self.num_forwards += 1
         t2 = time.perf_counter()
+        if len(sample_rows) != logits.shape[0]:
+            self._record_prompt_logprobs(items, logits)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
         for item in items:
             req = item.req
             was_prefill = req.num_computed_tokens < req.num_prompt_tokens
@@ -284,8 +323,9 @@ class Scheduler:
             for child in self._fork(req):
                 reqs.append(child)
                 rows.append(row)
+        appended = self.processor.num_output_tokens
         finished = self.processor.sample_and_append(reqs, logits, rows)
-        self.total_generated_tokens += len(reqs)
+        self.total_generated_tokens += self.processor.num_output_tokens - appended
         for req in finished:
             if req in self.running:
                 self.running.remove(req)
@@ -303,18 +343,48 @@ class Scheduler:
             self.check_integrity()
         return self.processor.drain()
 
-    def _build_batch(self, items: list[ScheduledItem], sampling: set[int]):
-        from radixlm.runtime.forward_batch import ForwardBatch
-
+    def _build_batch(
+        self, items: list[ScheduledItem], sampling: set[int]
+    ) -> tuple[ForwardBatch, list[int]]:
+        """The ragged batch, and which of its logits rows are the sampling rows (the others
+        are prompt-logprob rows, in item order, before each item's sampling row)."""
         chunks, prefix, pages, rows = [], [], [], []
+        sample_rows: list[int] = []
+        num_rows = 0
         for item in items:
             req = item.req
             start = req.num_computed_tokens
             chunks.append(req.token_ids[start : start + item.num_tokens])
             prefix.append(start)
             pages.append(req.pages)
-            rows.append([item.num_tokens - 1] if id(req) in sampling else [])
-        return ForwardBatch.build(chunks, prefix, pages, rows, self.page_size, self.runner.device)
+            want = [p - start for p in req.prompt_logprob_positions(start, item.num_tokens)]
+            if id(req) in sampling:
+                want.append(item.num_tokens - 1)
+                sample_rows.append(num_rows + len(want) - 1)
+            num_rows += len(want)
+            rows.append(want)
+        batch = ForwardBatch.build(chunks, prefix, pages, rows, self.page_size, self.runner.device)
+        return batch, sample_rows
+
+    def _record_prompt_logprobs(self, items: list[ScheduledItem], logits: torch.Tensor) -> None:
+        """Fill `req.prompt_logprobs` from the prompt rows of this step's logits."""
+        row = 0
+        for item in items:
+            req = item.req
+            start = req.num_computed_tokens  # not advanced yet
+            positions = req.prompt_logprob_positions(start, item.num_tokens)
+            if len(positions):
+                k = req.prompt_logprob_start
+                if req.prompt_logprobs is None:
+                    req.prompt_logprobs = [None] * (req.num_prompt_tokens - k)
+                lp = torch.log_softmax(logits[row : row + len(positions)].float(), dim=-1)
+                targets = torch.tensor(req.token_ids[positions.start + 1 : positions.stop + 1])
+                picked = lp.gather(1, targets.to(lp.device)[:, None])[:, 0].tolist()
+                for p, v in zip(positions, picked):
+                    req.prompt_logprobs[p + 1 - k] = v
+                row += len(positions)
+            if req.num_computed_tokens + item.num_tokens == req.num_tokens:
+                row += 1  # its sampling row
 
     def _fork(self, parent: Request) -> list[Request]:
         """n > 1: branches share the computed prompt's full pages; the partial page is copied."""

@@ -1,79 +1,104 @@
-"""Structured-output constraints (JSON schema, regex, EBNF) as the HTTP API receives them.
+"""Structured-output constraints (JSON schema, JSON object, regex, EBNF) as the HTTP API
+receives them, turned into the engine's `Constraint`.
 
-The grammar issue has not landed yet: every endpoint turns `response_format` json_object /
-json_schema, `regex`, `ebnf` (and native `sampling_params.json_schema` / `regex` / `ebnf` /
-`structural_tag`) into a `Constraint` on the internal `GenerationRequest`, checks its syntax
-(a 400 naming the field when malformed), and then `check_constraint` refuses it with a 400 that
-says so, instead of silently generating unconstrained text. Wiring grammars in is this file's
-`grammar_available` plus passing `GenerationRequest.constraint` to the engine in
-`serving.RequestGroup`.
+Where they come from: OpenAI `response_format` (`json_object`, or `json_schema` with its
+`schema`), the `regex` / `ebnf` extra body fields, and the native `sampling_params.json_schema` /
+`regex` / `ebnf`. `grammar_best_effort: true` (or an explicit `json_schema.strict: false`) asks
+for best-effort decoding of schema keywords the backend cannot enforce; `grammar_whitespace`
+(`"compact"`, the default, or `"any"`) controls whitespace in generated JSON.
+
+Every problem is a 400 naming the API field: malformed (`make_constraint`, no engine needed),
+then invalid / unsupported for the engine's grammar backend (`check_constraint`, off the event
+loop; the message lists unsupported schema keywords and where they are).
 """
 
 from __future__ import annotations
 
-import re
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import orjson
+from starlette.concurrency import run_in_threadpool
 
+from radixlm.runtime.grammar.base import Constraint, GrammarError, Whitespace
 from radixlm.server.errors import ApiError
 
 if TYPE_CHECKING:
     from radixlm.runtime.engine import Engine
 
-ConstraintKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+logger = logging.getLogger(__name__)
+
+ApiConstraintKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
 
 
 @dataclass(frozen=True)
-class Constraint:
-    """A structured-output constraint as the API gave it; `param` names the API field."""
+class RequestConstraint:
+    """The engine's constraint plus the API field it came from (for error messages)."""
 
-    kind: ConstraintKind
-    spec: str  # JSON schema text, regex, EBNF grammar, or "" for json_object
+    constraint: Constraint
     param: str
+
+    @property
+    def kind(self) -> str:
+        return self.constraint.kind
+
+    @property
+    def spec(self) -> str:
+        return self.constraint.spec
+
+
+def grammar_backend(engine: Engine) -> str | None:
+    """The engine's grammar backend name, or None when it is not installed."""
+    try:
+        engine.grammar_manager  # noqa: B018 - created on first use
+    except ValueError as exc:
+        logger.warning("constrained decoding unavailable: %s", exc)
+        return None
+    return engine.config.grammar_backend
 
 
 def grammar_available(engine: Engine) -> bool:
-    """Whether constrained decoding is wired up.
-
-    NOTE: the one place the grammar issue changes: make this report the engine's grammar
-    backend, and pass `GenerationRequest.constraint` through in `RequestGroup.__init__`.
-    """
-    return False
+    return grammar_backend(engine) is not None
 
 
-def make_constraint(kind: ConstraintKind, spec: Any, param: str) -> Constraint:
-    """Check a constraint's syntax (400 naming `param` when malformed) and wrap it."""
-    if kind == "json_schema":
-        if isinstance(spec, str):
-            try:
-                spec = orjson.loads(spec)
-            except orjson.JSONDecodeError as exc:
-                raise ApiError(f"{param}: not valid JSON: {exc}", param=param) from exc
-        if not isinstance(spec, dict):
-            raise ApiError(f"{param}: a JSON schema must be an object", param=param)
-        text = orjson.dumps(spec).decode()
-    elif kind == "regex":
-        try:
-            re.compile(spec)
-        except re.error as exc:
-            raise ApiError(f"{param}: invalid regular expression: {exc}", param=param) from exc
-        text = spec
-    elif kind in ("ebnf", "structural_tag"):
-        if not isinstance(spec, str) or not spec.strip():
-            raise ApiError(f"{param}: must be a non-empty string", param=param)
-        text = spec
-    else:
-        text = ""
-    return Constraint(kind=kind, spec=text, param=param)
-
-
-def check_constraint(engine: Engine, constraint: Constraint | None) -> None:
-    if constraint is not None and not grammar_available(engine):
+def make_constraint(
+    kind: ApiConstraintKind,
+    spec: Any,
+    param: str,
+    *,
+    best_effort: bool = False,
+    whitespace: Whitespace = "compact",
+) -> RequestConstraint:
+    """Build the constraint (400 naming `param` when malformed: not JSON, empty, ...)."""
+    if kind == "structural_tag":
         raise ApiError(
-            f"{constraint.param}: {constraint.kind} constrained decoding is not supported yet: "
-            "grammar backend not installed",
-            param=constraint.param,
+            f"{param}: structural_tag constraints are not supported; use json_schema, regex or "
+            "ebnf",
+            param=param,
             code="unsupported_parameter",
         )
+    common: dict[str, Any] = {"best_effort": best_effort, "whitespace": whitespace}
+    try:
+        if kind == "json_object":
+            c = Constraint.from_params(json_object=True, **common)
+        else:
+            c = Constraint.from_params(**{kind: spec}, **common)
+    except GrammarError as exc:
+        raise ApiError(f"{param}: {exc}", param=param) from exc
+    assert c is not None
+    return RequestConstraint(c, param)
+
+
+async def check_constraint(engine: Engine, rc: RequestConstraint | None) -> None:
+    """Validate against the engine's grammar backend in a worker thread: a 400 naming the
+    field for an invalid schema / regex / grammar or unsupported schema keywords."""
+    if rc is None:
+        return
+
+    def validate() -> None:
+        engine.grammar_manager.validate(rc.constraint)
+
+    try:
+        await run_in_threadpool(validate)
+    except ValueError as exc:  # GrammarError, or the backend is not installed
+        raise ApiError(f"{rc.param}: {exc}", param=rc.param) from exc

@@ -31,6 +31,10 @@ def serve(engine_kwargs: dict[str, Any], config: ServerConfig) -> None:
     logger.info("loading engine: %s", engine_kwargs)
     engine = Engine(**engine_kwargs)
     try:
+        from radixlm.server.constraints import grammar_backend
+
+        # Warm up: the grammar manager (backend import, vocabulary) is built on first use.
+        logger.info("grammar backend: %s", grammar_backend(engine) or "not installed")
         app = create_app(engine, config)
         uv_config = uvicorn.Config(
             app,

@@ -26,7 +26,12 @@ from starlette.responses import Response
 
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.server.constraints import Constraint, grammar_available, make_constraint
+from radixlm.server.constraints import (
+    RequestConstraint,
+    check_constraint,
+    grammar_backend,
+    make_constraint,
+)
 from radixlm.server.errors import ApiError, OrjsonResponse
 from radixlm.server.metrics import CONTENT_TYPE
 from radixlm.server.protocol import AbortReqInput, GenerateReqInput, NativeSamplingParams
@@ -73,16 +78,13 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     for prompt, sp, rid in zip(prompts, plist, rids):
         ids = await client.tokenize(prompt, prompt_param)
         client.check_n(sp.n, f"{_SP}.n")
-        params = _params(sp, body)
+        constraint = _constraint(sp)
+        await check_constraint(client.engine, constraint)
+        params = _params(sp, body, constraint)
         client.check_length(ids, max(sp.max_new_tokens, 1), prompt_param, f"{_SP}.max_new_tokens")
-        if body.return_logprob and 0 <= body.logprob_start_len < len(ids):
-            raise ApiError(
-                "logprob_start_len: input (prompt) token logprobs are not supported yet; "
-                "use -1 to get output logprobs only",
-                param="logprob_start_len",
-                code="unsupported_parameter",
-            )
-        reqs.append(GenerationRequest(ids, params, rid, _constraint(sp)))
+        if body.logprob_start_len < -1:
+            raise ApiError("logprob_start_len must be >= -1", param="logprob_start_len")
+        reqs.append(GenerationRequest(ids, params, rid, constraint))
     group = client.submit(reqs)
     start = time.perf_counter()
     if body.stream:
@@ -138,7 +140,9 @@ def _rids(client: EngineClient, rid: str | list[str] | None, count: int) -> list
     return [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
 
 
-def _params(sp: NativeSamplingParams, body: GenerateReqInput) -> SamplingParams:
+def _params(
+    sp: NativeSamplingParams, body: GenerateReqInput, constraint: RequestConstraint | None
+) -> SamplingParams:
     if sp.logit_bias:
         raise ApiError(f"{_SP}.logit_bias: not supported", param=f"{_SP}.logit_bias")
     if sp.custom_params:
@@ -164,12 +168,20 @@ def _params(sp: NativeSamplingParams, body: GenerateReqInput) -> SamplingParams:
         seed=sp.sampling_seed if sp.sampling_seed is not None else sp.seed,
         logprobs=body.return_logprob,
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
+        logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+        constraint=constraint.constraint if constraint else None,
     )
 
 
-def _constraint(sp: NativeSamplingParams) -> Constraint | None:
+def _constraint(sp: NativeSamplingParams) -> RequestConstraint | None:
     found = [
-        make_constraint(kind, getattr(sp, kind), f"{_SP}.{kind}")  # type: ignore[arg-type]
+        make_constraint(
+            kind,  # type: ignore[arg-type]
+            getattr(sp, kind),
+            f"{_SP}.{kind}",
+            best_effort=sp.grammar_best_effort,
+            whitespace=sp.grammar_whitespace,
+        )
         for kind in ("json_schema", "regex", "ebnf", "structural_tag")
         if getattr(sp, kind) is not None
     ]
@@ -221,8 +233,13 @@ def _result(
         def text(t: int) -> str | None:
             return client.token_text(t) if body.return_text_in_logprobs else None
 
-        meta["input_token_logprobs"] = []
-        meta["input_top_logprobs"] = []
+        # SGLang's format: [logprob, token_id, text] for prompt positions logprob_start_len..
+        start = max(body.logprob_start_len, 0)
+        ids = group.prompt_ids[k][start:] if c.prompt_logprobs is not None else []
+        meta["input_token_logprobs"] = [
+            [lp, t, text(t)] for lp, t in zip(c.prompt_logprobs or [], ids)
+        ]
+        meta["input_top_logprobs"] = [None] * len(ids)
         meta["output_token_logprobs"] = [
             [lp.logprob, lp.token_id, text(lp.token_id)] for lp in c.logprobs
         ]
@@ -321,7 +338,7 @@ def get_server_info(request: Request) -> Response:
             "engine_stats": dataclasses.asdict(engine.stats()),
             "kv_integrity": integrity,
             "active_requests": len(client.active),
-            "grammar_backend": "available" if grammar_available(engine) else None,
+            "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
         }
     )

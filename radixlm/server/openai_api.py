@@ -13,7 +13,7 @@ from starlette.responses import Response
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput, TokenLogprob
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.server.constraints import Constraint, make_constraint
+from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
 from radixlm.server.errors import ApiError, OrjsonResponse
 from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from radixlm.server.serving import (
@@ -55,22 +55,33 @@ def _reject(cond: bool, param: str, message: str) -> None:
         raise ApiError(f"{param}: {message}", param=param, code="unsupported_parameter")
 
 
-def _constraint(body: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+async def _constraint(
+    client: EngineClient, body: CompletionRequest | ChatCompletionRequest
+) -> RequestConstraint | None:
+    """The request's constraint, validated for the engine's grammar backend (400s name the
+    field). Best effort: `grammar_best_effort`, or `response_format.json_schema.strict: false`."""
     found = []
     rf = body.response_format
+    kw = {"best_effort": body.grammar_best_effort, "whitespace": body.grammar_whitespace}
     if rf is not None and rf.type == "json_object":
-        found.append(make_constraint("json_object", "", "response_format"))
+        found.append(make_constraint("json_object", "", "response_format", **kw))
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
-        found.append(make_constraint("json_schema", rf.json_schema.schema_, "response_format"))
+        lax = body.grammar_best_effort or rf.json_schema.strict is False
+        schema = rf.json_schema.schema_
+        found.append(
+            make_constraint("json_schema", schema, "response_format", **{**kw, "best_effort": lax})
+        )
     if body.regex is not None:
-        found.append(make_constraint("regex", body.regex, "regex"))
+        found.append(make_constraint("regex", body.regex, "regex", **kw))
     if body.ebnf is not None:
-        found.append(make_constraint("ebnf", body.ebnf, "ebnf"))
+        found.append(make_constraint("ebnf", body.ebnf, "ebnf", **kw))
     if len(found) > 1:
         raise ApiError(
             "only one of response_format (json), regex and ebnf may be given", param=found[1].param
         )
-    return found[0] if found else None
+    rc = found[0] if found else None
+    await check_constraint(client.engine, rc)
+    return rc
 
 
 def _params(
@@ -79,6 +90,7 @@ def _params(
     max_new_tokens: int,
     logprobs: bool,
     top_logprobs: int,
+    constraint: RequestConstraint | None,
 ) -> SamplingParams:
     _reject(bool(body.logit_bias), "logit_bias", "not supported")
     return sampling_params(
@@ -101,6 +113,7 @@ def _params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=body.n,
+        constraint=constraint.constraint if constraint else None,
     )
 
 
@@ -143,9 +156,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             f"prompt: at most {client.config.max_batch_prompts} prompts per request", "prompt"
         )
     client.check_n(body.n)
-    constraint = _constraint(body)
+    constraint = await _constraint(client, body)
     params = _params(
-        body, COMPLETION_NAMES, body.max_tokens or 16, body.logprobs is not None, body.logprobs or 0
+        body,
+        COMPLETION_NAMES,
+        body.max_tokens or 16,
+        body.logprobs is not None,
+        body.logprobs or 0,
+        constraint,
     )
     rids = _request_ids(client, "cmpl-", body.rid, len(prompts))
     reqs = []
@@ -223,7 +241,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     _reject(body.tool_choice not in (None, "none", "auto"), "tool_choice", "not supported")
     _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
     client.check_n(body.n)
-    constraint = _constraint(body)
+    constraint = await _constraint(client, body)
     messages = [_message_dict(m) for m in body.messages]
     prompt = await client.chat_prompt(messages, body.continue_final_message)
     ids = await client.tokenize(prompt, "messages")
@@ -232,7 +250,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     max_new = body.max_completion_tokens or body.max_tokens or remaining
     client.check_length(ids, max_new, "messages", limit_param)
     names = {**CHAT_NAMES, "max_new_tokens": limit_param}
-    params = _params(body, names, max_new, body.logprobs, body.top_logprobs or 0)
+    params = _params(body, names, max_new, body.logprobs, body.top_logprobs or 0, constraint)
     [rid] = _request_ids(client, "chatcmpl-", body.rid, 1)
     group = client.submit([GenerationRequest(ids, params, rid, constraint)])
     head = {"id": rid, "object": "chat.completion", "created": int(time.time())}

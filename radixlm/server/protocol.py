@@ -87,6 +87,8 @@ class _OpenAISampling(_Strict):
     include_stop_str_in_output: bool = False
     regex: str | None = None
     ebnf: str | None = None
+    grammar_best_effort: bool = False  # ignore schema keywords the backend cannot enforce
+    grammar_whitespace: Literal["compact", "any"] = "compact"  # whitespace in generated JSON
     rid: str | None = None
 
 
@@ -167,6 +169,8 @@ class NativeSamplingParams(_Strict):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    grammar_best_effort: bool = False
+    grammar_whitespace: Literal["compact", "any"] = "compact"
     stream_interval: PositiveInt | None = None
     logit_bias: dict[str, float] | None = None
     custom_params: dict[str, Any] | None = None

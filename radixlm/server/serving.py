@@ -23,10 +23,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from radixlm.runtime.engine import Engine
+from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput
 from radixlm.runtime.sampling_params import MAX_N, SamplingParams
-from radixlm.server.constraints import Constraint, check_constraint
+from radixlm.server.constraints import RequestConstraint
 from radixlm.server.errors import ApiError
 from radixlm.server.metrics import ServerMetrics
 
@@ -59,7 +60,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
-    constraint: Constraint | None = None
+    constraint: RequestConstraint | None = None  # also in `params`; kept for error messages
 
 
 def sampling_params(names: dict[str, str], **kwargs: Any) -> SamplingParams:
@@ -105,9 +106,8 @@ class RequestGroup:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, float, RequestOutput]] = asyncio.Queue()
         self.members: list[_Member] = []
+        self.prompt_ids: list[list[int]] = [list(r.prompt_ids) for r in reqs]
         self._open = 0
-        for req in reqs:
-            check_constraint(client.engine, req.constraint)
         for k, req in enumerate(reqs):
             member = _Member(req.request_id, req.params.n, time.perf_counter())
             member.remaining = set(range(req.params.n))
@@ -121,6 +121,9 @@ class RequestGroup:
                 )
             except ValueError as exc:
                 self.close()
+                rc = req.constraint
+                if isinstance(exc, GrammarError) and rc is not None:
+                    raise ApiError(f"{rc.param}: {exc}", param=rc.param) from exc
                 raise ApiError(str(exc)) from exc
             self.members.append(member)
             client.active[req.request_id] = self

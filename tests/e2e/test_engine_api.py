@@ -198,3 +198,19 @@ def test_request_larger_than_the_pool_fails_alone(default_model_dir):
         assert res[0].finish_reason == "error" and "KV cache" in res[0].error
         assert res[1].finish_reason == "length"
         assert_clean(small)
+
+
+def test_prompt_logprobs_match_transformers(engine, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    ids = engine.tokenize("The quick brown fox jumps over the lazy dog because")
+    engine.generate(ids[:8], SamplingParams(max_new_tokens=1))  # warm the cache with a prefix
+    r = engine.generate(ids, SamplingParams(max_new_tokens=1, logprob_start_len=3))
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    ref = [float(lp[i - 1, ids[i]]) for i in range(3, len(ids))]
+    assert r.prompt_logprobs == pytest.approx(ref, abs=1e-3)
+    full = engine.generate(ids, SamplingParams(max_new_tokens=1, logprob_start_len=0))
+    assert full.prompt_logprobs[0] is None
+    assert full.prompt_logprobs[3:] == pytest.approx(ref, abs=1e-3)

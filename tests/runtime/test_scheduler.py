@@ -343,3 +343,31 @@ def test_unforked_branches_finish_with_their_failed_or_aborted_parent():
         finished = [o for o in got if o.finished]
         assert sorted(o.index for o in finished) == list(range(n))
         assert all(o.finish_reason == reason for o in finished)
+
+
+@pytest.mark.parametrize("chunk", [None, 4, 16])
+def test_prompt_logprobs_from_position_k_even_with_a_cached_prefix(chunk):
+    import math
+
+    from fake_runner import VOCAB, reference_next
+
+    rng = random.Random(17)
+    s = make(page_size=4, chunked_prefill_size=chunk, max_batched_tokens=64)
+    shared = prompt(rng, 16)
+    s.add_request(req("warm", shared + [3], 1))
+    run(s)
+    p = shared + prompt(rng, 6)
+    r = req("lp", p, 2, logprob_start_len=10)
+    s.add_request(r)
+    run(s)
+    hit = 10.0 - math.log(math.exp(10.0) + VOCAB - 1)
+    miss = -math.log(math.exp(10.0) + VOCAB - 1)
+    expected = [hit if reference_next(p[:i]) == p[i] else miss for i in range(10, len(p))]
+    assert r.prompt_logprobs == pytest.approx(expected, abs=1e-5)
+    assert 0 < r.num_cached_tokens <= 8  # the prefix before position 9 may still come from cache
+    assert r.output_token_ids == reference_continuation(p, 2)
+    r0 = req("lp0", p, 1, logprob_start_len=0)
+    s.add_request(r0)
+    run(s)
+    assert r0.prompt_logprobs[0] is None and len(r0.prompt_logprobs) == len(p)
+    assert r0.prompt_logprobs[10:] == pytest.approx(expected, abs=1e-5)

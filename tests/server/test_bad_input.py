@@ -4,6 +4,7 @@ and the server answers a normal request correctly right after. Plus engine-side 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "Hi"}]
 LONG = "hello " * 9000  # ~9000 tokens: past the 8192-token context
 NEAR = "hello " * 8000  # fits alone, not with 500 new tokens
-SCHEMA = {"name": "x", "schema": {"type": "object"}}
+UNIQUE = {"name": "x", "schema": {"type": "array", "uniqueItems": True}}
+INVALID = {"name": "x", "schema": {"type": "objekt"}}
 
 
 def comp(**kw: Any) -> dict[str, Any]:
@@ -72,8 +74,11 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("json-array-body", "POST", C, b"[1, 2, 3]", 400, None),
     ("empty-body", "POST", C, b"", 400, None),
     ("invalid-regex", "POST", C, comp(regex="(unclosed"), 400, "regex"),
-    ("regex-unsupported", "POST", C, comp(regex="[0-9]+"), 400, "regex"),
+    ("regex-bad-range", "POST", C, comp(regex="[z-a]"), 400, "regex"),
     ("ebnf-empty", "POST", C, comp(ebnf="  "), 400, "ebnf"),
+    ("ebnf-no-root", "POST", C, comp(ebnf='start ::= "a"'), 400, "ebnf"),
+    ("grammar-whitespace-unknown", "POST", C, comp(regex="a", grammar_whitespace="lots"), 400,
+     "grammar_whitespace"),
     ("response-format-unknown-type", "POST", C, comp(response_format={"type": "xml"}), 400,
      "response_format.type"),
     ("json-schema-missing-schema", "POST", C,
@@ -84,7 +89,11 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("json-schema-not-object", "POST", C,
      comp(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}), 400,
      "response_format.json_schema.schema"),
-    ("json-object-unsupported", "POST", C, comp(response_format={"type": "json_object"}), 400,
+    ("json-schema-unsupported-keyword", "POST", C,
+     comp(response_format={"type": "json_schema", "json_schema": UNIQUE}), 400,
+     "response_format"),
+    ("json-schema-invalid", "POST", C,
+     comp(response_format={"type": "json_schema", "json_schema": INVALID}), 400,
      "response_format"),
     ("two-constraints", "POST", C,
      comp(regex="a", response_format={"type": "json_object"}), 400, "regex"),
@@ -109,8 +118,11 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("chat-top-logprobs-too-many", "POST", CH, chat(logprobs=True, top_logprobs=30), 400,
      "top_logprobs"),
     ("chat-tools-unsupported", "POST", CH, chat(tools=[{"type": "function"}]), 400, "tools"),
-    ("chat-json-schema-unsupported", "POST", CH,
-     chat(response_format={"type": "json_schema", "json_schema": SCHEMA}), 400,
+    ("chat-json-schema-unsupported-keyword", "POST", CH,
+     chat(response_format={"type": "json_schema", "json_schema": UNIQUE}), 400,
+     "response_format"),
+    ("chat-json-schema-invalid", "POST", CH,
+     chat(response_format={"type": "json_schema", "json_schema": INVALID}), 400,
      "response_format"),
     ("chat-temperature-negative", "POST", CH, chat(temperature=-1), 400, "temperature"),
     ("chat-too-long", "POST", CH, chat(messages=[{"role": "user", "content": LONG}]), 400,
@@ -127,15 +139,22 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("gen-unknown-sampling-param", "POST", G, gen(foo=1), 400, "sampling_params.foo"),
     ("gen-json-schema-invalid", "POST", G, gen(json_schema="{not json"), 400,
      "sampling_params.json_schema"),
-    ("gen-json-schema-unsupported", "POST", G, gen(json_schema='{"type": "object"}'), 400,
+    ("gen-json-schema-unsupported-keyword", "POST", G,
+     gen(json_schema='{"type": "string", "not": {"const": "a"}}'), 400,
+     "sampling_params.json_schema"),
+    ("gen-json-schema-not-object", "POST", G, gen(json_schema="[1]"), 400,
      "sampling_params.json_schema"),
     ("gen-regex-invalid", "POST", G, gen(regex="["), 400, "sampling_params.regex"),
-    ("gen-ebnf-unsupported", "POST", G, gen(ebnf='root ::= "a"'), 400, "sampling_params.ebnf"),
+    ("gen-ebnf-invalid", "POST", G, gen(ebnf='root ::= "a'), 400, "sampling_params.ebnf"),
+    ("gen-structural-tag", "POST", G, gen(structural_tag="{}"), 400,
+     "sampling_params.structural_tag"),
+    ("gen-two-constraints", "POST", G, gen(regex="a", ebnf='root ::= "a"'), 400,
+     "sampling_params.ebnf"),
     ("gen-n-huge", "POST", G, gen(n=100), 400, "sampling_params.n"),
     ("gen-params-count-mismatch", "POST", G,
      {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}]}, 400, "sampling_params"),
-    ("gen-input-logprobs", "POST", G, {**gen(), "return_logprob": True, "logprob_start_len": 0},
-     400, "logprob_start_len"),
+    ("gen-input-logprobs-negative", "POST", G,
+     {**gen(), "return_logprob": True, "logprob_start_len": -5}, 400, "logprob_start_len"),
     ("gen-top-logprobs-num", "POST", G, {**gen(), "top_logprobs_num": 100}, 400,
      "top_logprobs_num"),
     ("gen-too-long", "POST", G, {"text": LONG}, 400, "text"),
@@ -179,10 +198,60 @@ def test_bad_request(http, server, reference, name, method, path, body, status, 
     assert server.process.poll() is None
 
 
-def test_unsupported_constraint_message_names_the_grammar_backend(http):
-    r = http.post(CH, json=chat(response_format={"type": "json_object"}))
-    assert r.status_code == 400
-    assert "not supported yet: grammar backend not installed" in r.json()["error"]["message"]
+def test_constraint_errors_name_the_problem(http, server):
+    r = http.post(CH, json=chat(response_format={"type": "json_schema", "json_schema": UNIQUE}))
+    msg = r.json()["error"]["message"]
+    assert r.status_code == 400 and "uniqueItems (at #)" in msg and "best-effort" in msg
+    r = http.post(CH, json=chat(response_format={"type": "json_schema", "json_schema": INVALID}))
+    assert r.status_code == 400 and "invalid JSON schema at #/type" in r.json()["error"]["message"]
+    r = http.post(C, json=comp(regex="(unclosed"))
+    assert r.status_code == 400 and "invalid regex" in r.json()["error"]["message"]
+    info = server.wait_idle()
+    assert info["kv_integrity"] == "ok" and info["engine_stats"]["kv_pages_used"] == 0
+
+
+# ---- valid constraints are served (they were 400s before the grammar backend landed) -----------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "check"),
+    [
+        (C, comp(regex="[0-9]{3}-[0-9]{4}", max_tokens=12),
+         lambda t: re.fullmatch("[0-9]{3}-[0-9]{4}", t)),
+        (CH, chat(response_format={"type": "json_object"}, max_tokens=64, temperature=0),
+         lambda t: isinstance(json.loads(t), dict)),
+        (CH, chat(response_format={"type": "json_schema", "json_schema": UNIQUE},
+                  grammar_best_effort=True, max_tokens=64, temperature=0),
+         lambda t: isinstance(json.loads(t), list)),
+        (CH, chat(response_format={"type": "json_schema",
+                                   "json_schema": {**UNIQUE, "strict": False}},
+                  max_tokens=64, temperature=0),
+         lambda t: isinstance(json.loads(t), list)),
+        (C, comp(ebnf='root ::= "yes" | "no"', max_tokens=4), lambda t: t in ("yes", "no")),
+        (G, gen(json_schema='{"type": "object", "properties": {"n": {"type": "integer", '
+                            '"minimum": 0, "maximum": 99}}, "required": ["n"]}',
+                max_new_tokens=16, temperature=0),
+         lambda t: isinstance(json.loads(t)["n"], int)),
+        (G, gen(regex="(red|green|blue)", max_new_tokens=4),
+         lambda t: t in ("red", "green", "blue")),
+        (G, gen(ebnf='root ::= [a-c] [0-9]', max_new_tokens=4),
+         lambda t: re.fullmatch("[a-c][0-9]", t)),
+    ],
+    ids=["regex", "json-object", "best-effort", "strict-false", "ebnf", "gen-json-schema",
+         "gen-regex", "gen-ebnf"],
+)  # fmt: skip
+def test_valid_constraints_are_served(http, path, body, check):
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    if path == G:
+        text, reason = data["text"], data["meta_info"]["finish_reason"]["type"]
+    elif path == CH:
+        text, reason = data["choices"][0]["message"]["content"], data["choices"][0]["finish_reason"]
+    else:
+        text, reason = data["choices"][0]["text"], data["choices"][0]["finish_reason"]
+    assert reason == "stop", (text, reason)
+    assert check(text), text
 
 
 def test_invalid_json_message(http):

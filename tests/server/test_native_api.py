@@ -91,6 +91,33 @@ def test_generate_logprobs(http):
         assert len(alts) == 3 and alts[0][1] == tid  # greedy picks the top token
 
 
+def test_generate_input_logprobs(http, tokenizer):
+    """`logprob_start_len` returns prompt logprobs in SGLang's format; the scores of a
+    continuation are consistent with the output logprob of the same tokens."""
+    text = "The capital of France is Paris"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": 2,
+    }
+    meta = http.post("/generate", json=body).json()["meta_info"]
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == ids[2:]
+    assert all(lp <= 0 for lp, _, _ in inp)
+    # The logprob of " Paris" after the prefix equals the first output logprob for that prefix.
+    body2 = {
+        "input_ids": ids[:-1],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 20,
+    }
+    top = http.post("/generate", json=body2).json()["meta_info"]["output_top_logprobs"][0]
+    paris = {t: lp for lp, t, _ in top}.get(ids[-1])
+    assert paris is not None and abs(paris - inp[-1][0]) < 1e-3
+
+
 def test_model_info_and_server_info(http, server):
     info = http.get("/get_model_info").json()
     assert info["is_generation"] is True and info["model_path"]

@@ -169,43 +169,61 @@ def test_chat_logprobs(oai, model_name):
         assert bytes(entry.bytes).decode() == entry.token
 
 
-def test_json_schema_rejected_until_grammar_lands(oai, server, model_name):
-    if server.info()["grammar_backend"] is not None:
-        pytest.skip("a grammar backend is installed: see test_json_schema_output_validates")
-    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
-    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
-    with pytest.raises(openai.BadRequestError) as exc:
-        oai.chat.completions.create(
-            model=model_name, messages=CHAT, max_tokens=8, response_format=rf
-        )
-    err = exc.value.body
-    assert err["param"] == "response_format"
-    assert "not supported" in err["message"] and "grammar" in err["message"]
-    for extra in ({"regex": "[0-9]+"}, {"ebnf": 'root ::= "a"'}):
-        with pytest.raises(openai.BadRequestError) as exc:
-            oai.completions.create(model=model_name, prompt="x", max_tokens=4, extra_body=extra)
-        assert exc.value.body["param"] == next(iter(extra))
-
-
 def test_json_schema_output_validates(oai, server, model_name):
-    if server.info()["grammar_backend"] is None:
-        pytest.skip("grammar issue not landed: response_format json_schema answers 400")
     import jsonschema
 
+    assert server.info()["grammar_backend"] == "xgrammar"
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+        },
+        "required": ["name", "age", "pets"],
         "additionalProperties": False,
     }
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}}
     r = oai.chat.completions.create(
         model=model_name,
         messages=[{"role": "user", "content": "Invent a person as JSON."}],
         max_tokens=64,
         temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        response_format=rf,
     )
+    assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    # Streaming: the deltas concatenate to a valid document too.
+    stream = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Invent another person as JSON."}],
+        max_tokens=64,
+        temperature=0.7,
+        seed=3,
+        response_format=rf,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_constraint_errors_are_400s_naming_the_field(oai, model_name):
+    bad = {"type": "object", "properties": {"a": {"type": "string"}}, "if": {"required": ["a"]}}
+    rf = {"type": "json_schema", "json_schema": {"name": "p", "schema": bad}}
+    with pytest.raises(openai.BadRequestError) as exc:
+        oai.chat.completions.create(
+            model=model_name, messages=CHAT, max_tokens=8, response_format=rf
+        )
+    err = exc.value.body
+    assert err["param"] == "response_format" and "if (at #)" in err["message"]
+    for extra in ({"regex": "(unclosed"}, {"ebnf": 'root ::= "a'}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            oai.completions.create(model=model_name, prompt="x", max_tokens=4, extra_body=extra)
+        assert exc.value.body["param"] == next(iter(extra))
+    r = oai.completions.create(
+        model=model_name, prompt="The answer is", max_tokens=4, extra_body={"regex": "[0-9]+"}
+    )
+    assert r.choices[0].text.isdigit()
 
 
 def test_multi_turn_chat_reuses_shared_system_prompt(oai, server, tokenizer, model_name):

@@ -36,13 +36,22 @@ def test_sampling_params_errors_name_the_api_field():
     assert sampling_params({}, max_new_tokens=3).max_new_tokens == 3
 
 
-def test_make_constraint_checks_syntax():
-    with pytest.raises(ApiError, match="regular expression"):
-        make_constraint("regex", "(", "regex")
-    with pytest.raises(ApiError, match="not valid JSON"):
+def test_make_constraint_checks_shape_and_names_the_field():
+    with pytest.raises(ApiError, match="not valid JSON") as exc:
         make_constraint("json_schema", "{", "sampling_params.json_schema")
+    assert exc.value.param == "sampling_params.json_schema" and exc.value.status_code == 400
+    with pytest.raises(ApiError, match="non-empty") as exc:
+        make_constraint("regex", "", "regex")
+    assert exc.value.param == "regex"
+    with pytest.raises(ApiError, match="structural_tag") as exc:
+        make_constraint("structural_tag", "{}", "sampling_params.structural_tag")
+    assert exc.value.code == "unsupported_parameter"
     c = make_constraint("json_schema", '{"type": "object"}', "sampling_params.json_schema")
     assert c.kind == "json_schema" and c.param == "sampling_params.json_schema"
+    assert c.constraint.best_effort is False and c.constraint.whitespace == "compact"
+    lax = make_constraint("json_object", "", "response_format", best_effort=True, whitespace="any")
+    assert lax.kind == "json_object" and lax.constraint.whitespace == "any"
+    assert lax.constraint.best_effort
     assert make_constraint("regex", "[0-9]+", "regex").spec == "[0-9]+"
 
 

@@ -1,6 +1,6 @@
 """Structured generation: constraints, grammar backends, bitmasks, jump-forward.
 
-Public API (see ``README_SECTION.md`` for the user-facing description)::
+Public API (the README's "Structured output" section is the user-facing description)::
 
     manager = GrammarManager(tokenizer, vocab_size, eos_token_ids, backend="xgrammar")
     constraint = Constraint.from_params(json_schema=schema)      # None when unconstrained

@@ -1,0 +1,130 @@
+"""Grammar-constrained decoding, the per-step part: mask the logits, advance the matchers, jump
+forward. Compilation and admission are elsewhere (``GrammarManager``, ``Scheduler``).
+
+One step, for the rows of the batch whose request has a grammar (``req.grammar``):
+
+1. ``mask``: each matcher fills its row of one persistent CPU bitmask; the ``min_new_tokens``
+   suppressions of those rows are folded into the mask; one batched ``apply_token_bitmask``
+   sets the forbidden logits to ``-inf`` on the logits' device.
+2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
+3. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
+   grammar forces, possibly replacing the sampled token (``num_rollback``); ``must_stop`` says
+   the grammar allows nothing but EOS now, so the request finishes with "stop".
+
+Invariants:
+
+- A constrained row is never left without an allowed token: a suppression that would empty it
+  is dropped (EOS / stop ids are then allowed although fewer than ``min_new_tokens`` exist).
+- ``advance`` returns the tokens to append; the matcher has accepted exactly them (after the
+  request's earlier output). Only the just-sampled token can be rolled back: its KV was never
+  computed, so replacing it costs nothing; the scheduler computes all appended tokens in the
+  next step's extend.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.grammar import (
+    GrammarManager,
+    apply_token_bitmask,
+    set_bitmask_bits,
+)
+from radixlm.runtime.request import Request
+
+
+def take_compiled_grammar(req: Request) -> str | None:
+    """If ``req``'s grammar future is done: on success give it its matcher (``req.grammar``)
+    and return None; on failure (invalid, timed out, cancelled) return the error message. A
+    pending future changes nothing (None)."""
+    fut = req.grammar_future
+    if fut is None or req.grammar is not None or not fut.done():
+        return None
+    try:
+        req.grammar = fut.result().new_matcher()
+    except Exception as exc:  # noqa: BLE001 - GrammarError, CancelledError: this request only
+        return str(exc) or f"grammar compilation failed: {type(exc).__name__}"
+    return None
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What to append after sampling ``token_id`` for a constrained request."""
+
+    token_ids: tuple[int, ...]  # the sampled token (unless rolled back), then forced tokens
+    sampled_kept: bool  # token_ids[0] is the sampled token (it was not rolled back)
+    must_stop: bool  # the grammar now allows only EOS: finish with "stop"
+
+
+class GrammarStep:
+    """The grammar work of one decoding step; owned by the ``OutputProcessor`` (step thread)."""
+
+    def __init__(self, manager: GrammarManager, device: torch.device) -> None:
+        self.manager = manager
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._bitmask = manager.allocate_bitmask(8, pin_memory=self._pin)  # [rows, W] int32
+        # Tokens appended beyond one per sample (a re-tokenized sampled token counts as sampled).
+        self.num_jump_forward_tokens = 0
+        self.num_jump_forward_rollbacks = 0  # sampled tokens replaced by a re-tokenization
+        self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            size = max(rows, 2 * self._bitmask.shape[0])
+            self._bitmask = self.manager.allocate_bitmask(size, pin_memory=self._pin)
+        return self._bitmask[:rows]
+
+    def mask(
+        self, reqs: list[Request], logits: torch.Tensor, suppress: list[list[int]]
+    ) -> list[list[int]]:
+        """In place: ``logits[i, t] = -inf`` for every token ``t`` that the grammar of
+        ``reqs[i]`` forbids (constrained rows only; ``logits`` is ``[len(reqs), V]``).
+        ``suppress[i]`` (min_new_tokens) of constrained rows go into the mask; returns the
+        suppress lists left for the sampler (empty for those rows)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return suppress
+        start = time.perf_counter()
+        bitmask = self._buffer(len(reqs))
+        out = list(suppress)
+        for i in rows:
+            matcher = reqs[i].grammar
+            assert matcher is not None
+            matcher.fill_bitmask(bitmask, i)
+            if out[i]:
+                self._suppress(bitmask, i, out[i])
+                out[i] = []
+        apply_token_bitmask(logits, bitmask, rows)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    @staticmethod
+    def _suppress(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:
+        """Forbid ``token_ids`` in ``row`` unless nothing else is allowed there."""
+        before = bitmask[row].clone()  # [W]
+        set_bitmask_bits(bitmask, row, token_ids, allowed=False)
+        if not bool(bitmask[row].any()):
+            bitmask[row] = before
+
+    def advance(self, req: Request, token_id: int, max_growth: int) -> Advance | None:
+        """Accept the sampled ``token_id`` and jump forward; None when the grammar rejects it
+        (cannot happen for a token sampled under this step's mask). ``max_growth``: how many
+        tokens the request may still grow by after ``token_id``."""
+        matcher = req.grammar
+        assert matcher is not None
+        start = time.perf_counter()
+        try:
+            if not matcher.accept_token(token_id):
+                return None
+            jf = self.manager.jump_forward(matcher, [token_id], max_tokens=max(0, max_growth))
+        finally:
+            self.seconds += time.perf_counter() - start
+        kept = jf.num_rollback == 0
+        tokens = ((token_id,) if kept else ()) + jf.token_ids
+        self.num_jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
+        self.num_jump_forward_rollbacks += jf.num_rollback
+        return Advance(tokens, kept, jf.must_stop or matcher.is_terminated())

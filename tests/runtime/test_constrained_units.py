@@ -1,0 +1,114 @@
+"""The small pieces of constrained decoding: SamplingParams.constraint, config and CLI flags, the
+per-step mask (suppression folding), raw logprobs under a mask."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from radixlm.cli import add_engine_args, engine_kwargs
+from radixlm.config import EngineConfig
+from radixlm.runtime.grammar import Constraint, allocate_bitmask, is_token_allowed
+from radixlm.runtime.sampler import Sampler, SamplingBatchInfo
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+def test_sampling_params_constraint_from_mapping_or_object():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    p = SamplingParams(constraint={"json_schema": schema, "best_effort": True})
+    assert isinstance(p.constraint, Constraint) and p.constraint.kind == "json_schema"
+    assert p.constraint.best_effort
+    q = SamplingParams(constraint=Constraint.from_params(json_schema=schema, best_effort=True))
+    assert p == q and hash(p) == hash(q)
+    assert SamplingParams().constraint is None
+    assert SamplingParams(constraint={"regex": "a+"}).constraint.spec == "a+"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one constraint"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"json_schema": "{nope"}, "not valid JSON"),
+        ({"choices": []}, "choices must be a non-empty list"),
+        ({"grammar": "x"}, "unexpected keyword"),
+        ("a+", "constraint must be a Constraint"),
+    ],
+)
+def test_sampling_params_constraint_errors_name_the_field(value, message):
+    with pytest.raises(ValueError, match=message) as exc:
+        SamplingParams(constraint=value)
+    assert str(exc.value).startswith("constraint")
+
+
+def test_engine_config_and_cli_flags():
+    cfg = EngineConfig()
+    assert cfg.grammar_backend == "xgrammar" and cfg.enable_jump_forward
+    assert cfg.grammar_timeout_s == 30.0
+    with pytest.raises(ValueError, match="grammar_timeout_s"):
+        EngineConfig(grammar_timeout_s=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kw = engine_kwargs(parser.parse_args([]))
+    assert kw["grammar_backend"] == "xgrammar" and kw["enable_jump_forward"] is True
+    args = ["--grammar-backend", "outlines", "--disable-jump-forward", "--grammar-timeout-s", "5"]
+    kw = engine_kwargs(parser.parse_args(args))
+    assert kw["grammar_backend"] == "outlines" and kw["enable_jump_forward"] is False
+    assert kw["grammar_timeout_s"] == 5.0
+    assert (
+        engine_kwargs(parser.parse_args(["--enable-jump-forward", "false"]))["enable_jump_forward"]
+        is False
+    )
+    assert "--disable-jump-forward" in parser.format_help()
+
+
+class _OnlyTokens:
+    """A matcher stand-in whose row allows exactly ``allowed``."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        from radixlm.runtime.grammar import fill_bitmask_tokens
+
+        fill_bitmask_tokens(bitmask, row, self.allowed)
+
+
+class _Req:
+    def __init__(self, grammar: object | None) -> None:
+        self.grammar = grammar
+
+
+def test_mask_folds_suppression_but_never_empties_a_row():
+    from radixlm.runtime.constrained import GrammarStep
+
+    class _Mgr:
+        def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
+            return allocate_bitmask(rows, 64)
+
+    step = GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
+    reqs = [_Req(_OnlyTokens([2, 7])), _Req(None), _Req(_OnlyTokens([2]))]
+    logits = torch.zeros(3, 64)
+    left = step.mask(reqs, logits, [[2], [2], [2]])  # type: ignore[arg-type]
+    assert left == [[], [2], []]  # constrained rows: in the mask; the other: for the sampler
+    assert torch.isfinite(logits[0]).tolist() == [t == 7 for t in range(64)]  # EOS 2 held back
+    assert bool(torch.isfinite(logits[1]).all())  # unconstrained row untouched
+    assert torch.isfinite(logits[2]).tolist() == [t == 2 for t in range(64)]  # only EOS: kept
+    mask = step._bitmask
+    assert is_token_allowed(mask, 2, 2) and not is_token_allowed(mask, 0, 2)
+
+
+def test_sampler_logprobs_come_from_the_raw_logits():
+    raw = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    masked = raw.clone()
+    masked[0, 3] = -torch.inf
+    info = SamplingBatchInfo.build(
+        [SamplingParams(temperature=0, logprobs=True, top_logprobs=2)], [None], [()], [()], 4
+    )
+    out = Sampler()(masked, info, raw_logits=raw)
+    assert out.next_token_ids == [2]
+    expected = torch.log_softmax(raw, dim=-1)[0]
+    assert out.logprobs[0] == pytest.approx(float(expected[2]))
+    assert out.top_logprobs[0][0][0] == 3  # the raw distribution's favourite, masked or not
