@@ -13,7 +13,9 @@ Request flow::
        -> Sampler -> OutputProcessor: append, stop checks, incremental detokenization
        -> finished: RadixCache.insert(full pages), release the request's page refs
 
-Public API: `Engine`, `SamplingParams`.
+Public API: `Engine`, `SamplingParams`, and the frontend language (`radixlm.lang`), whose names
+are re-exported here so that an SGLang program runs with `import radixlm as sgl`: `function`,
+`gen`, `select`, `user`, `Runtime`, `RuntimeEndpoint`, `set_default_backend`, ...
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "GenerateResult", "EngineStats"]
+_LANG = (
+    "Runtime", "RuntimeEndpoint", "ProgramState", "ProgramStateGroup", "Program", "SglFunction",
+    "function", "gen", "gen_int", "gen_string", "select", "system", "user", "assistant",
+    "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
+    "set_default_backend", "get_default_backend", "flush_cache", "get_server_info", "var_scope",
+    "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
+    "ChoicesSamplingMethod",
+)  # fmt: skip
+__all__ = ["Engine", "SamplingParams", "GenerateResult", "EngineStats", *_LANG]
 
 if TYPE_CHECKING:
     from radixlm.runtime.engine import Engine
@@ -43,4 +53,8 @@ def __getattr__(name: str):
         from radixlm.runtime import outputs
 
         return getattr(outputs, name)
+    if name in _LANG:
+        from radixlm import lang
+
+        return getattr(lang, name)
     raise AttributeError(f"module 'radixlm' has no attribute {name!r}")

@@ -101,6 +101,9 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.pending_forks = self.params.n - 1 if self.index == 0 else 0
+        k = self.prompt_logprob_start
+        if k is not None:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - k)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -371,3 +371,11 @@ def test_prompt_logprobs_from_position_k_even_with_a_cached_prefix(chunk):
     run(s)
     assert r0.prompt_logprobs[0] is None and len(r0.prompt_logprobs) == len(p)
     assert r0.prompt_logprobs[10:] == pytest.approx(expected, abs=1e-5)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt():
+    s = make()
+    r = req("one", [7], 1, logprob_start_len=0)
+    s.add_request(r)
+    run(s)
+    assert r.prompt_logprobs == [None]
