@@ -80,10 +80,10 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         client.check_n(sp.n, f"{_SP}.n")
         constraint = _constraint(sp)
         await check_constraint(client.engine, constraint)
-        params = _params(sp, body, constraint)
-        client.check_length(ids, max(sp.max_new_tokens, 1), prompt_param, f"{_SP}.max_new_tokens")
         if body.logprob_start_len < -1:
             raise ApiError("logprob_start_len must be >= -1", param="logprob_start_len")
+        params = _params(sp, body, constraint)
+        client.check_length(ids, max(sp.max_new_tokens, 1), prompt_param, f"{_SP}.max_new_tokens")
         reqs.append(GenerationRequest(ids, params, rid, constraint))
     group = client.submit(reqs)
     start = time.perf_counter()
