@@ -60,7 +60,7 @@ PROFILE_SCHEMA = {
     "properties": {
         "first_name": {"type": "string", "maxLength": 16},
         "last_name": {"type": "string", "maxLength": 16},
-        "email_address": {"type": "string", "format": "email"},
+        "email_address": {"type": "string", "maxLength": 32},
         "year_of_birth": {"type": "integer", "minimum": 1900, "maximum": 2025},
         "home_country": {"type": "string", "maxLength": 20},
         "favourite_color": {"enum": ["red", "green", "blue", "yellow"]},
@@ -252,12 +252,24 @@ def main() -> None:
         },
         "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
+    out = Path(args.out)
+    if out.exists():  # keep the part that was skipped this time
+        old = json.loads(out.read_text())
+        parts = ("overhead", "overhead_machine", "jump_forward", "jump_forward_machine")
+        result = {**{k: v for k, v in old.items() if k in parts}, **result}
+
+    def write() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
     if not args.skip_overhead:
         result["overhead"] = {b: bench_overhead(args, b) for b in args.backends.split(",")}
+        result["overhead_machine"] = {**result["machine"], "args": result["args"]}
+        write()
     if not args.skip_jump_forward:
         result["jump_forward"] = bench_jump_forward(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        result["jump_forward_machine"] = {**result["machine"], "args": result["args"]}
+        write()
     print(f"wrote {args.out}")
 
 

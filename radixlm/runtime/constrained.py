@@ -98,7 +98,8 @@ class GrammarStep:
             if out[i]:
                 self._suppress(bitmask, i, out[i])
                 out[i] = []
-        apply_token_bitmask(logits, bitmask, rows)
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            apply_token_bitmask(logits, bitmask, rows)
         self.seconds += time.perf_counter() - start
         return out
 

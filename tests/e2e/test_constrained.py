@@ -103,6 +103,19 @@ def assert_valid(name: str, result: GenerateResult) -> None:
     jsonschema.validate(json.loads(result.text), SCHEMAS[name][1], format_checker=FORMATS)
 
 
+def whitespace_outside_strings(text: str) -> bool:
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped = not escaped and ch == "\\"
+            in_string = escaped or ch != '"'
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace():
+            return True
+    return False
+
+
 def assert_clean(engine: Engine) -> None:
     assert engine.wait_idle(timeout=30)
     engine.check_integrity()
@@ -119,12 +132,25 @@ def test_schemas_validate(engine: Engine, backend: str) -> None:
     assert len(names) >= 15 and len(SCHEMAS) >= 18
     for name in names:
         assert_valid(name, run["results"][name])
+        assert not whitespace_outside_strings(run["results"][name].text)  # compact JSON
     # The keywords outlines cannot enforce are refused by name, not silently ignored.
     for name in set(SCHEMAS) - set(names):
         with pytest.raises(ValueError, match="minimum") as exc:
             engine.generate("x", greedy({"json_schema": SCHEMAS[name][1]}))
         assert "outlines" in str(exc.value) and "best-effort" in str(exc.value)
     assert_clean(engine)
+
+
+def test_json_whitespace_any(xgr: Engine) -> None:
+    assert whitespace_outside_strings('{"a": "b c"}') and not whitespace_outside_strings(
+        '{"a":"b c"}'
+    )
+    name = "array_of_objects"
+    lax = greedy({"json_schema": SCHEMAS[name][1], "whitespace": "any"})
+    prompt = chat(xgr, f"Give me {SCHEMAS[name][0]} as pretty-printed JSON, with indentation.")
+    r = xgr.generate(prompt, lax)
+    assert_valid(name, r)
+    assert whitespace_outside_strings(r.text), r.text  # the model likes its newlines
 
 
 def test_regexes_fully_match(engine: Engine) -> None:

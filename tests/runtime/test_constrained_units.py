@@ -100,6 +100,27 @@ def test_mask_folds_suppression_but_never_empties_a_row():
     assert is_token_allowed(mask, 2, 2) and not is_token_allowed(mask, 0, 2)
 
 
+@pytest.mark.parametrize("impl", ["xgrammar", "torch"])
+def test_mask_works_on_inference_tensors(monkeypatch, impl):
+    """The runner returns logits made under inference_mode; both apply paths mask them."""
+    from radixlm.runtime import constrained
+    from radixlm.runtime.grammar import apply_token_bitmask_torch
+
+    if impl == "torch":  # the fallback when xgrammar is not installed
+        monkeypatch.setattr(constrained, "apply_token_bitmask", apply_token_bitmask_torch)
+
+    class _Mgr:
+        def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
+            return allocate_bitmask(rows, 64)
+
+    step = constrained.GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
+    with torch.inference_mode():
+        logits = torch.zeros(2, 64)
+    step.mask([_Req(_OnlyTokens([5])), _Req(None)], logits, [[], []])  # type: ignore[list-item]
+    assert torch.isfinite(logits[0]).tolist() == [t == 5 for t in range(64)]
+    assert bool(torch.isfinite(logits[1]).all())
+
+
 def test_sampler_logprobs_come_from_the_raw_logits():
     raw = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     masked = raw.clone()
