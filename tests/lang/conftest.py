@@ -7,30 +7,17 @@ over both, so every e2e program runs on each.
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from live_server import launch_server
 
 import radixlm as sgl
 
 API_KEY = "lang-test-key"
 NUM_PAGES = 1024  # 16k tokens of KV per backend
-STARTUP_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -44,47 +31,11 @@ def runtime(default_model_dir: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[str]:
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("lang_server") / "server.log"
-    env = {
-        **os.environ,
-        "RADIXLM_API_KEY": API_KEY,
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-    }
-    cmd = [
-        sys.executable, "-m", "radixlm.cli", "serve",
-        "--host", "127.0.0.1", "--port", str(port), "--model", str(default_model_dir),
-        "--num-threads", "1", "--dtype", "float32", "--num-pages", str(NUM_PAGES),
-        "--log-level", "warning",
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready in {STARTUP_TIMEOUT_S} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with launch_server(
+        default_model_dir, log_path, API_KEY, ["--num-pages", str(NUM_PAGES)]
+    ) as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="session")
