@@ -68,7 +68,7 @@ def bench_case(case: str, args: argparse.Namespace, cuda: bool) -> dict:
 
     from radixlm.kernels.attention import page_table_indptr
     from radixlm.kernels.extend_attention import extend_attention
-    from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+    from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -110,7 +110,7 @@ def main() -> None:
         args.batch, args.context, args.page_size, args.dtype, args.iters = 2, 20, 4, "float32", 1
 
     from radixlm.kernels.registry import create_attention_backend
-    from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+    from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

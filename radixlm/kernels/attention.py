@@ -10,7 +10,7 @@ dtypes and devices; each has a pure-torch twin in `radixlm.kernels.reference`):
   prefix, causal among themselves (flash-attention style online softmax).
 - `radixlm.kernels.fused_ops`: RMSNorm (+ residual add) and RoPE.
 
-Paged addressing shared by all of them (see `radixlm.runtime.forward_batch`): request `r`'s token
+Paged addressing shared by all of them (see `radixlm.kernels.forward_batch`): request `r`'s token
 at position `j` lives in slot `kv_indices[kv_indptr[r] + j // page_size] * page_size +
 j % page_size` of the `[num_slots, Hkv, D]` buffers. A `[B, max_pages]` page table is the special
 case `kv_indptr[r] = r * page_table.stride(0)`, `kv_indices = page_table` (flattened); a CSR

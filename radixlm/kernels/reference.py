@@ -1,6 +1,6 @@
 """Pure-torch paged attention: the CPU path and the oracle that every kernel is tested against.
 
-Semantics (see `radixlm.runtime.forward_batch`): request `i`'s new tokens (rows
+Semantics (see `radixlm.kernels.forward_batch`): request `i`'s new tokens (rows
 `qo_indptr[i]:qo_indptr[i+1]`) sit at positions `prefix_lens[i]..seq_lens[i]-1`; each attends to
 every cached token of its own sequence at a position <= its own. K/V of the new tokens are first
 scattered into their slots, then read back through the page table with the prefix.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.registry import register_attention_backend
-from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
 
 def store_kv(

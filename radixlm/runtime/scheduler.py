@@ -31,7 +31,7 @@ import torch
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import take_compiled_grammar
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus
 from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy

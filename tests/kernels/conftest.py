@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch.nn.functional as F
 
-from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

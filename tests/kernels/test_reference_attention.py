@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from radixlm.kernels.reference import TorchAttentionBackend
-from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
 
 def dense_reference(q, k, v, prefix: int, scale: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from radixlm import Engine, SamplingParams
 from radixlm.config import CacheConfig
 from radixlm.kernels.registry import available_backends, resolve_backend_name
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.model_runner import ModelRunner
 
 SHARED = [(i * 7919) % 40000 + 5 for i in range(11)]  # 11 tokens: not a multiple of page_size 4
@@ -109,7 +109,7 @@ import sys
 sys.modules["triton"] = None  # make `import triton` fail
 import radixlm, radixlm.kernels.registry as reg
 import torch
-from radixlm.runtime.forward_batch import KVCache
+from radixlm.kernels.forward_batch import KVCache
 cache = KVCache.allocate(1, 2, 4, 1, 16, torch.float32, "cpu")
 reg.create_attention_backend("torch", cache)
 assert reg.resolve_backend_name("auto", "cuda") == "torch"
@@ -124,7 +124,7 @@ except ImportError as e:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     code = """
 import torch, radixlm.kernels.registry as reg
-from radixlm.runtime.forward_batch import KVCache
+from radixlm.kernels.forward_batch import KVCache
 cache = KVCache.allocate(1, 2, 4, 1, 16, torch.float32, "cpu")
 try:
     reg.create_attention_backend("triton", cache)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixlm.runtime.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
 VOCAB = 64
 EOS = 2

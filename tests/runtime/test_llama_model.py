@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixlm.config import CacheConfig
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.model_runner import ModelRunner
 
 

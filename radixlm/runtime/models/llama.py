@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.kernels.forward_batch import ForwardBatch
 
 
 class RMSNorm(nn.Module):
