@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -32,26 +33,22 @@ LONG = [(2047, 1), (1900, 1), (1500, 100)]
 SCALE = 0.125
 
 
-def run_op(case, splits: int | None = None) -> tuple[torch.Tensor, CpuBackendInfo]:
-    """The "cpu" backend (store + op) on a copy of the case's cache."""
+def run_op(case, splits: int | None = None) -> tuple[torch.Tensor, Any]:
+    """The "cpu" backend (store + op) on a copy of the case's cache: (output, backend)."""
     cache = KVCache([case.k_buf.clone()], [case.v_buf.clone()], case.cache.page_size)
     backend = create_attention_backend("cpu", cache)
     backend.force_num_kv_splits = splits
     backend.init_forward(case.batch)
     out = backend.forward(0, case.q, case.k_new, case.v_new, SCALE)
-    # The op stored the new K/V where the twin would.
+    # The new K/V were stored where the twin stores them.
     loc = case.batch.out_cache_loc
     assert torch.equal(cache.k_buffers[0][loc], case.k_new.to(cache.k_buffers[0].dtype))
-    return out, CpuBackendInfo(backend.num_kv_splits, backend.items.shape[0])
-
-
-class CpuBackendInfo(tuple):
-    def __new__(cls, splits: int, items: int) -> CpuBackendInfo:
-        return super().__new__(cls, (splits, items))
+    assert torch.equal(cache.v_buffers[0][loc], case.v_new.to(cache.v_buffers[0].dtype))
+    return out, backend
 
 
 def check(case, splits: int | None = None) -> int:
-    out, (used_splits, _) = run_op(case, splits)
+    out, backend = run_op(case, splits)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     dense = case.dense_reference(SCALE)
     tol = case.tol()
@@ -60,7 +57,7 @@ def check(case, splits: int | None = None) -> int:
     # The twin computes in q's dtype (bf16 SDPA): allow its error on top of ours.
     twin_tol = tol if case.q.dtype == torch.float32 else 2 * tol
     torch.testing.assert_close(out.float(), twin.float(), atol=twin_tol, rtol=twin_tol)
-    return used_splits
+    return backend.num_kv_splits
 
 
 GQA = [(4, 4), (6, 2), (8, 1)]  # ratios 1, 3, 8
@@ -94,6 +91,15 @@ def test_long_contexts_split_kv(paged_case, splits, dtype):
     used = check(case, splits=splits)
     if splits is not None:
         assert used == splits
+
+
+def test_head_dim_not_multiple_of_16_uses_the_twin(paged_case, caplog):
+    """The op's tiles need head_dim % 16 == 0; other head dims run the torch twin (logged)."""
+    case = paged_case(MIXED, 4, 2, 40, 4, torch.float32, seed=8, device="cpu")
+    with caplog.at_level(logging.WARNING):
+        out, _ = run_op(case)
+    assert "head_dim" in caplog.text
+    torch.testing.assert_close(out, case.dense_reference(SCALE), atol=case.tol(), rtol=case.tol())
 
 
 def test_split_heuristic_single_long_decode(paged_case):

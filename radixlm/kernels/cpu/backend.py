@@ -12,14 +12,17 @@ call for the whole batch.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from radixlm.kernels.cpu.build import load_error, load_op
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
-from radixlm.kernels.reference import store_kv
+from radixlm.kernels.reference import TorchAttentionBackend, store_kv
 from radixlm.kernels.registry import register_attention_backend
+
+logger = logging.getLogger(__name__)
 
 _op = load_op()
 if _op is None:
@@ -56,6 +59,14 @@ class CpuAttentionBackend:
             raise ValueError("attention_backend='cpu' needs the KV cache on the CPU")
         self.kv_cache = kv_cache
         self.op = _op
+        head_dim = kv_cache.k_buffers[0].shape[2]
+        # NOTE: the op's register tiles step 16 floats through the head dim.
+        self._twin = TorchAttentionBackend(kv_cache) if head_dim % 16 else None
+        if self._twin is not None:
+            logger.warning(
+                "CPU attention op needs head_dim %% 16 == 0 (got %d); using the torch backend",
+                head_dim,
+            )
         self.force_num_kv_splits: int | None = None
         self.max_kv_splits = 16
         self.min_tokens_per_split = 256
@@ -65,6 +76,9 @@ class CpuAttentionBackend:
     def init_forward(self, batch: ForwardBatch) -> None:
         """Plan the work items once per forward (shared by all layers)."""
         self._batch = batch
+        if self._twin is not None:
+            self._twin.init_forward(batch)
+            return
         hkv = self.kv_cache.k_buffers[0].shape[1]
         threads = torch.get_num_threads()
         ext = batch.extend_lens_cpu
@@ -122,6 +136,8 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:  # [T, Hq, D]
         batch = self._batch
         assert batch is not None, "init_forward() must be called before forward()"
+        if self._twin is not None:
+            return self._twin.forward(layer_id, q, k, v, scale)
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)

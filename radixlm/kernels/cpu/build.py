@@ -19,16 +19,16 @@ import platform
 import sys
 import threading
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.cpp",)
-EXTRA_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
-EXTRA_LDFLAGS = ["-fopenmp"]
+EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
+EXTRA_LDFLAGS = ("-fopenmp",)
 
 _lock = threading.Lock()
-_op: ModuleType | None = None
+_op: Any = None  # torch.ops.radixlm_cpu once loaded
 _error: str | None = None
 
 
@@ -71,20 +71,24 @@ def build_dir() -> Path:
     return _cache_root() / "cpu_ops" / build_key()
 
 
-def _build(verbose: bool = False) -> ModuleType:
+def _build(verbose: bool = False) -> Any:
     import torch.utils.cpp_extension as cpp
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     src_dir = Path(__file__).parent
-    return cpp.load(
+    cpp.load(
         name="radixlm_cpu_ops",
         sources=[str(src_dir / s) for s in SOURCES],
-        extra_cflags=EXTRA_CFLAGS,
-        extra_ldflags=EXTRA_LDFLAGS,
+        extra_cflags=list(EXTRA_CFLAGS),  # copies: cpp_extension appends to these lists
+        extra_ldflags=list(EXTRA_LDFLAGS),
         build_directory=str(directory),
         verbose=verbose,
+        is_python_module=False,  # a TORCH_LIBRARY op: loaded into torch.ops.radixlm_cpu
     )
+    import torch
+
+    return torch.ops.radixlm_cpu
 
 
 def _summary(e: BaseException) -> str:
@@ -95,8 +99,11 @@ def _summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {line[:300]}"
 
 
-def load_op(verbose: bool = False) -> ModuleType | None:
-    """The compiled op module (built on first use if not in the cache), or None (logged once)."""
+def load_op(verbose: bool = False) -> Any:
+    """`torch.ops.radixlm_cpu` (built on first use if not in the cache), or None (logged once).
+
+    Its one op: `paged_attention(q, k_buf, v_buf, out, page_table, items, reduces, part_o,
+    part_lse, page_size, scale)`, see `paged_attention.cpp`."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

@@ -17,9 +17,11 @@
 // handed out dynamically (atomic counter) to torch's intra-op threads (at::parallel_for).
 
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/extension.h>
+#include <immintrin.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -31,18 +33,58 @@
 
 namespace {
 
-constexpr int BLOCK_K = 64;
+constexpr int BLOCK_K = 64;  // keys per online-softmax block
+constexpr int VW = 8;        // floats per vector (256-bit; AVX2 and up)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// 2^x for x <= 0 (x may be -inf: returns 0). Vectorizable: no branches, no calls.
-// Round-to-nearest reduction to r in [-0.5, 0.5], degree-7 Taylor of e^(r ln 2):
-// relative error < 1e-8 (below float32's epsilon).
-inline float exp2_neg(float x) {
-  x = x < -127.f ? -127.f : x;
-  const float n = __builtin_floorf(x + 0.5f);
-  const float r = (x - n) * 0.6931471805599453f;
-  float p = 1.f / 5040.f;
+// GCC/Clang vector extensions: the compiler emits AVX2 / AVX-512VL code for -march=native.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+inline v8 bcast(float x) { return v8{} + x; }
+inline float hsum(v8 v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+inline float hmax(v8 v) {
+  float m = v[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// VW elements of a K/V row as fp32.
+inline v8 load_f(const float* p) { return load(p); }
+inline v8 load_f(const c10::BFloat16* p) {
+  const h8u h = *reinterpret_cast<const h8u*>(p);
+  return reinterpret_cast<v8>(__builtin_convertvector(h, u8v) << 16);
+}
+inline v8 load_f(const c10::Half* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8 r;
+  for (int i = 0; i < VW; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+// 2^x for x <= 0 (x may be -inf: 0). Round-to-nearest via the 1.5 * 2^23 trick, r in
+// [-0.5, 0.5], degree-7 Taylor of e^(r ln 2): relative error < 1e-8.
+inline v8 exp2v(v8 x) {
+  const v8 lo = bcast(-127.f);
+  const v8 xc = x < lo ? lo : x;
+  const v8 magic = bcast(12582912.f);
+  const v8 t = xc + magic;
+  const v8 n = t - magic;
+  const v8 r = (xc - n) * 0.6931471805599453f;
+  v8 p = bcast(1.f / 5040.f);
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
@@ -50,48 +92,15 @@ inline float exp2_neg(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const int32_t e = static_cast<int32_t>(n) + 127;  // >= 0 after the clamp
-  const float scale = __builtin_bit_cast(float, e << 23);
-  return x <= -127.f ? 0.f : p * scale;
+  const i8v e = (reinterpret_cast<i8v>(t) - 0x4B400000 + 127) << 23;
+  const v8 y = p * reinterpret_cast<v8>(e);
+  return x <= lo ? v8{} : y;
 }
-
-// Row conversion to fp32 (contiguous D elements).
-inline void to_float(const float* src, float* dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(s[i]) << 16);
-  }
-}
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
+inline float exp2s(float x) { return exp2v(bcast(x))[0]; }
 
 template <typename T>
-inline void from_float(const float* src, T* dst, int64_t n, float mul) {
+inline void store_out(const float* src, T* dst, int64_t n, float mul) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
-}
-
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// acc[0:n] = acc[0:n] * alpha
-inline void scale_row(float* __restrict acc, float alpha, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] *= alpha;
-}
-
-// acc[0:n] += p * v[0:n]
-inline void axpy(float* __restrict acc, float p, const float* __restrict v, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
 }
 
 struct Dims {
@@ -99,22 +108,102 @@ struct Dims {
   int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, pt_s0;
 };
 
-// Per-thread scratch, sized for the largest task of a call.
+// Per-thread scratch, sized for the largest task of a call (all fp32).
 struct Scratch {
-  std::vector<float> qf, acc, m, l, s, kf, vf;
-  std::vector<const float*> krow, vrow;
+  std::vector<float> qf, acc, m, l, alpha, s, kf, kt, vf;
   void reserve(int64_t rows, int64_t d) {
-    qf.resize(rows * d);
-    acc.resize(rows * d);
-    m.resize(rows);
-    l.resize(rows);
-    s.resize(BLOCK_K);
-    kf.resize(BLOCK_K * d);
-    vf.resize(BLOCK_K * d);
-    krow.resize(BLOCK_K);
-    vrow.resize(BLOCK_K);
+    qf.assign(rows * d, 0.f);
+    acc.assign(rows * d, 0.f);
+    m.assign(rows, 0.f);
+    l.assign(rows, 0.f);
+    alpha.assign(rows, 0.f);
+    s.assign(rows * BLOCK_K, 0.f);
+    kf.assign(BLOCK_K * d, 0.f);
+    kt.assign(BLOCK_K * d, 0.f);
+    vf.assign(BLOCK_K * d, 0.f);
   }
 };
+
+// S[r, 0:n] = q[r] . K[0:n] for few rows (decode): one pass over the keys, every K row loaded
+// once for all rows. kf: [n, D] fp32.
+inline void scores_dot(const float* qf, int64_t rows, const float* kf, int64_t n, int64_t D,
+                       float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* k = kf + j * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = qf + r * D;
+      v8 a0 = v8{}, a1 = v8{};
+      int64_t d = 0;
+      for (; d + 2 * VW <= D; d += 2 * VW) {
+        a0 += load(q + d) * load(k + d);
+        a1 += load(q + d + VW) * load(k + d + VW);
+      }
+      for (; d < D; d += VW) a0 += load(q + d) * load(k + d);
+      s[r * BLOCK_K + j] = hsum(a0 + a1);
+    }
+  }
+}
+
+// S[r, 0:BLOCK_K] = q[r] . K for many rows (extend): a register tile of RM rows x 16 keys over
+// the transposed block kt [D, BLOCK_K] (columns >= n hold stale values; they are masked later).
+template <int RM>
+inline void scores_tile(const float* qf, const float* kt, int64_t D, float* s) {
+  for (int j = 0; j < BLOCK_K; j += 2 * VW) {
+    v8 a[RM][2];
+    for (int r = 0; r < RM; ++r) a[r][0] = a[r][1] = v8{};
+    for (int64_t d = 0; d < D; ++d) {
+      const v8 k0 = load(kt + d * BLOCK_K + j), k1 = load(kt + d * BLOCK_K + j + VW);
+      for (int r = 0; r < RM; ++r) {
+        const v8 q = bcast(qf[r * D + d]);
+        a[r][0] += q * k0;
+        a[r][1] += q * k1;
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      store(s + r * BLOCK_K + j, a[r][0]);
+      store(s + r * BLOCK_K + j + VW, a[r][1]);
+    }
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j P[r, j] V[j] for RM rows, 16 columns of D at a time.
+template <int RM>
+inline void pv_tile(float* acc, const float* alpha, const float* p, const float* vf, int64_t n,
+                    int64_t D) {
+  for (int64_t d = 0; d < D; d += 2 * VW) {
+    v8 a[RM][2];
+    for (int r = 0; r < RM; ++r) {
+      a[r][0] = load(acc + r * D + d) * alpha[r];
+      a[r][1] = load(acc + r * D + d + VW) * alpha[r];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const v8 v0 = load(vf + j * D + d), v1 = load(vf + j * D + d + VW);
+      for (int r = 0; r < RM; ++r) {
+        const v8 w = bcast(p[r * BLOCK_K + j]);
+        a[r][0] += w * v0;
+        a[r][1] += w * v1;
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      store(acc + r * D + d, a[r][0]);
+      store(acc + r * D + d + VW, a[r][1]);
+    }
+  }
+}
+
+template <int RM>
+inline void pv_rows(float* acc, const float* alpha, const float* p, const float* vf, int64_t n,
+                    int64_t rows, int64_t D) {
+  int64_t r = 0;
+  for (; r + RM <= rows; r += RM) {
+    pv_tile<RM>(acc + r * D, alpha + r, p + r * BLOCK_K, vf, n, D);
+  }
+  const int64_t rest = rows - r;
+  acc += r * D, alpha += r, p += r * BLOCK_K;
+  if (rest == 1) pv_tile<1>(acc, alpha, p, vf, n, D);
+  if (rest == 2) pv_tile<2>(acc, alpha, p, vf, n, D);
+  if (rest == 3) pv_tile<3>(acc, alpha, p, vf, n, D);
+}
 
 template <typename T>
 void attend_task(
@@ -125,7 +214,7 @@ void attend_task(
     const T* v_buf,
     const int32_t* page_table,
     T* out,
-    float* part_o,   // [P, Hq, D]
+    float* part_o,    // [P, Hq, D]
     float* part_lse,  // [P, Hq]
     const Dims& dm,
     float qscale,
@@ -134,16 +223,21 @@ void attend_task(
   const int64_t kv_lo = item[4], part = item[6];
   const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + nq);
   const int64_t D = dm.d, G = dm.group, M = nq * G;
+  const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
   float* qf = sc.qf.data();
   float* acc = sc.acc.data();
   float* mrow = sc.m.data();
   float* lrow = sc.l.data();
+  float* alpha = sc.alpha.data();
   float* s = sc.s.data();
+  float* kf = sc.kf.data();
+  float* kt = sc.kt.data();
+  float* vf = sc.vf.data();
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      to_float(q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1, qf + r * D, D);
-      scale_row(qf + r * D, qscale, D);
+      const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
+      float* dst = qf + (i * G + g) * D;
+      for (int64_t d = 0; d < D; d += VW) store(dst + d, load_f(src + d) * qscale);
     }
   }
   std::fill(acc, acc + M * D, 0.f);
@@ -153,52 +247,76 @@ void attend_task(
   const int64_t ps = dm.page_size;
   for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
     const int64_t n = std::min<int64_t>(BLOCK_K, kv_hi - j0);
+    int64_t page = j0 / ps, off = j0 % ps;  // one division per block, not per key
     for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t pos = j0 + jj;
-      const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
+      const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
+      if (++off == ps) off = 0, ++page;
       const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
       const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
-      if constexpr (std::is_same_v<T, float>) {
-        sc.krow[jj] = kp;
-        sc.vrow[jj] = vp;
-      } else {
-        to_float(kp, sc.kf.data() + jj * D, D);
-        to_float(vp, sc.vf.data() + jj * D, D);
-        sc.krow[jj] = sc.kf.data() + jj * D;
-        sc.vrow[jj] = sc.vf.data() + jj * D;
+      for (int64_t d = 0; d < D; d += VW) {
+        const v8 kv = load_f(kp + d);
+        if (tiled) {
+          for (int i = 0; i < VW; ++i) kt[(d + i) * BLOCK_K + jj] = kv[i];
+        } else {
+          store(kf + jj * D + d, kv);
+        }
+        store(vf + jj * D + d, load_f(vp + d));
       }
     }
+    if (j0 + BLOCK_K < kv_hi) {  // pages are scattered: prefetch the next block's rows
+      const int64_t n2 = std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
+      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+      for (int64_t jj = 0; jj < n2; ++jj) {
+        const int64_t pos = j0 + BLOCK_K + jj;
+        const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
+        const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0 + h * dm.kv_s1);
+        const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0 + h * dm.kv_s1);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          __builtin_prefetch(kp + b);
+          __builtin_prefetch(vp + b);
+        }
+      }
+    }
+    if (tiled) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) scores_tile<4>(qf + r * D, kt, D, s + r * BLOCK_K);
+      for (; r < M; ++r) scores_tile<1>(qf + r * D, kt, D, s + r * BLOCK_K);
+    } else {
+      scores_dot(qf, M, kf, n, D, s);
+    }
+    // Online softmax per row over the valid (causal, in-range) keys of this block.
     for (int64_t r = 0; r < M; ++r) {
+      float* sr = s + r * BLOCK_K;
       const int64_t qpos = pos0 + r / G;
-      const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);  // causal: keys <= qpos
-      if (nv <= 0) continue;
-      const float* qr = qf + r * D;
-      float bmax = NEG_INF;
-      for (int64_t jj = 0; jj < nv; ++jj) {
-        s[jj] = dot(qr, sc.krow[jj], D);
-        bmax = std::max(bmax, s[jj]);
+      const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
+      if (nv <= 0) {  // every key of the block is after this query: weights 0, no rescale
+        std::fill(sr, sr + BLOCK_K, 0.f);
+        alpha[r] = 1.f;
+        continue;
       }
-      const float m_new = std::max(mrow[r], bmax);
-      const float alpha = exp2_neg(mrow[r] - m_new);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t jj = 0; jj < nv; ++jj) {
-        s[jj] = exp2_neg(s[jj] - m_new);
-        sum += s[jj];
+      for (int64_t jj = nv; jj < BLOCK_K; ++jj) sr[jj] = NEG_INF;
+      v8 mx = load(sr);
+      for (int jj = VW; jj < BLOCK_K; jj += VW) mx = mx > load(sr + jj) ? mx : load(sr + jj);
+      const float m_new = std::max(mrow[r], hmax(mx));
+      alpha[r] = mrow[r] == NEG_INF ? 0.f : exp2s(mrow[r] - m_new);
+      v8 sum = v8{};
+      const v8 mb = bcast(m_new);
+      for (int jj = 0; jj < BLOCK_K; jj += VW) {
+        const v8 e = exp2v(load(sr + jj) - mb);
+        store(sr + jj, e);
+        sum += e;
       }
-      float* ar = acc + r * D;
-      if (alpha != 1.f) scale_row(ar, alpha, D);
-      for (int64_t jj = 0; jj < nv; ++jj) axpy(ar, s[jj], sc.vrow[jj], D);
-      lrow[r] = lrow[r] * alpha + sum;
+      lrow[r] = lrow[r] * alpha[r] + hsum(sum);
       mrow[r] = m_new;
     }
+    pv_rows<4>(acc, alpha, s, vf, n, M, D);
   }
   for (int64_t i = 0; i < nq; ++i) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g, hq = h * G + g;
       const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
       if (part < 0) {
-        from_float(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
+        store_out(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
       } else {
         float* po = part_o + (part * dm.hq + hq) * D;
         for (int64_t d = 0; d < D; ++d) po[d] = acc[r * D + d] * inv;
@@ -219,11 +337,12 @@ void reduce_task(
   std::fill(tmp, tmp + D, 0.f);
   float wsum = 0.f;
   for (int64_t p = 0; p < np; ++p) {
-    const float w = exp2_neg(part_lse[(p0 + p) * dm.hq + hq] - gmax);
+    const float w = exp2s(part_lse[(p0 + p) * dm.hq + hq] - gmax);
     wsum += w;
-    axpy(tmp, w, part_o + ((p0 + p) * dm.hq + hq) * D, D);
+    const float* po = part_o + ((p0 + p) * dm.hq + hq) * D;
+    for (int64_t d = 0; d < D; ++d) tmp[d] += w * po[d];
   }
-  from_float(tmp, out + row * dm.o_s0 + hq * dm.o_s1, D, wsum > 0.f ? 1.f / wsum : 0.f);
+  store_out(tmp, out + row * dm.o_s0 + hq * dm.o_s1, D, wsum > 0.f ? 1.f / wsum : 0.f);
 }
 
 // Run fn(task) for task in [0, n) on torch's intra-op threads, tasks handed out dynamically.
@@ -273,6 +392,7 @@ void paged_attention(
   TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.is_contiguous());
   const int64_t hq = q.size(1), hkv = k_buf.size(1), d = q.size(2);
   TORCH_CHECK(hq % hkv == 0 && k_buf.size(2) == d, "head counts / head dims do not match");
+  TORCH_CHECK(d % 16 == 0, "paged_attention: head_dim must be a multiple of 16, got ", d);
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
   TORCH_CHECK(reduces.size(0) == 0 || part_o.dim() == 3 && part_o.size(1) == hq &&
               part_o.size(2) == d && part_lse.size(1) == hq, "partial buffers: [P, Hq, D]");
@@ -318,6 +438,14 @@ void paged_attention(
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "Paged attention over K/V read in place (CPU)");
+// A plain dispatcher op (no pybind11: the extension compiles much faster), called as
+// torch.ops.radixlm_cpu.paged_attention(...).
+TORCH_LIBRARY(radixlm_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, Tensor page_table, "
+      "Tensor items, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, int page_size, "
+      "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention);
 }
