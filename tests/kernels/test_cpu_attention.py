@@ -106,9 +106,9 @@ def test_split_heuristic_single_long_decode(paged_case):
     """Batch 1 with a long context splits (fills the threads); many short decodes do not."""
     from radixlm.kernels.cpu.backend import choose_num_kv_splits
 
-    assert choose_num_kv_splits(1, 3, 4096, 2) > 1
-    assert choose_num_kv_splits(64, 3, 512, 2) == 1
-    assert choose_num_kv_splits(1, 3, 100, 2) == 1  # too short to split
+    assert choose_num_kv_splits(1, 4096, 2) > 1
+    assert choose_num_kv_splits(64, 512, 2) == 1
+    assert choose_num_kv_splits(1, 100, 2) == 1  # too short to split
     case = paged_case([(4000, 1)], 9, 3, 64, 16, torch.bfloat16, seed=6, device="cpu")
     assert check(case) > 1
 

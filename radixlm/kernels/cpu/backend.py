@@ -5,7 +5,8 @@ Per forward, `init_forward` plans once for all layers a list of work items (see
 `paged_attention.cpp`): a decode row is one item, or several split-KV items plus a reduce when the
 batch is too small to keep the threads busy and its context is long (flash-decoding); an extend
 request is one item per block of `extend_block` query rows over its prefix and causally over
-itself. Items are sorted longest first and handed out dynamically to torch's intra-op threads.
+itself. An item is one task over all KV heads (a page's rows are read sequentially); items are
+sorted longest first and handed out dynamically to torch's intra-op threads.
 Per layer, `forward` stores the new K/V into their slots (`store_kv`, index_put) and makes one op
 call for the whole batch.
 """
@@ -31,17 +32,15 @@ if _op is None:
 
 def choose_num_kv_splits(
     num_decode: int,
-    num_kv_heads: int,
     seq_len: int,
     num_threads: int,
     max_splits: int = 16,
     min_tokens_per_split: int = 256,
 ) -> int:
-    """Split-KV factor for one decode row: enough tasks for ~4 per thread when the decode rows'
-    `num_decode * num_kv_heads` tasks alone do not give that, but never splits shorter than
+    """Split-KV factor for one decode row: enough tasks for ~4 per thread when the decode rows
+    alone (one task each, all KV heads) do not give that, but never splits shorter than
     `min_tokens_per_split` tokens (the partial writes and the reduce would dominate)."""
-    tasks = max(1, num_decode * num_kv_heads)
-    by_occupancy = math.ceil(4 * num_threads / tasks)
+    by_occupancy = math.ceil(4 * num_threads / max(1, num_decode))
     by_length = seq_len // max(1, min_tokens_per_split)
     return max(1, min(by_occupancy, by_length, max_splits))
 
@@ -79,7 +78,6 @@ class CpuAttentionBackend:
         if self._twin is not None:
             self._twin.init_forward(batch)
             return
-        hkv = self.kv_cache.k_buffers[0].shape[1]
         threads = torch.get_num_threads()
         ext = batch.extend_lens_cpu
         seq = batch.seq_lens_cpu
@@ -96,7 +94,6 @@ class CpuAttentionBackend:
                 else:
                     splits = choose_num_kv_splits(
                         num_decode,
-                        hkv,
                         n,
                         threads,
                         self.max_kv_splits,

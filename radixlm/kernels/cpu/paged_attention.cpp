@@ -11,8 +11,9 @@
 // one split of a split-KV decode, its normalized output and log2-sum-exp go to the partial
 // buffers at index part, and a reduce item (row, part0, nparts) combines them.
 //
-// Each (item, kv head) is one task: the G = Hq / Hkv query heads that share the KV head are
-// processed together, so every K/V row is loaded (and converted to fp32) once per task. Online
+// Each item is one task over all KV heads: a key block is read as whole [Hkv, D] rows (a page
+// is one sequential run of memory), and the G = Hq / Hkv query heads that share a KV head are
+// processed together, so every K/V row is loaded (and converted to fp32) once. Online
 // softmax (flash attention) over key blocks of BLOCK_K, fp32 accumulation, exp2 domain. Tasks are
 // handed out dynamically (atomic counter) to torch's intra-op threads (at::parallel_for).
 
@@ -108,19 +109,20 @@ struct Dims {
   int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, pt_s0;
 };
 
-// Per-thread scratch, sized for the largest task of a call (all fp32).
+// Per-thread scratch, sized for the largest task of a call (all fp32). Rows are ordered
+// (kv head, query, head in group); kf / kt / vf hold one key block per KV head.
 struct Scratch {
   std::vector<float> qf, acc, m, l, alpha, s, kf, kt, vf;
-  void reserve(int64_t rows, int64_t d) {
+  void reserve(int64_t rows, int64_t hkv, int64_t d) {
     qf.assign(rows * d, 0.f);
     acc.assign(rows * d, 0.f);
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
     alpha.assign(rows, 0.f);
     s.assign(rows * BLOCK_K, 0.f);
-    kf.assign(BLOCK_K * d, 0.f);
-    kt.assign(BLOCK_K * d, 0.f);
-    vf.assign(BLOCK_K * d, 0.f);
+    kf.assign(hkv * BLOCK_K * d, 0.f);
+    kt.assign(hkv * BLOCK_K * d, 0.f);
+    vf.assign(hkv * BLOCK_K * d, 0.f);
   }
 };
 
@@ -205,10 +207,12 @@ inline void pv_rows(float* acc, const float* alpha, const float* p, const float*
   if (rest == 3) pv_tile<3>(acc, alpha, p, vf, n, D);
 }
 
+// One work item over all KV heads: a key block is read as whole [Hkv, D] rows (contiguous:
+// a page is one sequential run of memory), converted to fp32 once, and used by every query
+// head of its group.
 template <typename T>
 void attend_task(
     const int32_t* item,
-    int64_t h,
     const T* q,
     const T* k_buf,
     const T* v_buf,
@@ -222,7 +226,7 @@ void attend_task(
   const int64_t req = item[0], row0 = item[1], nq = item[2], pos0 = item[3];
   const int64_t kv_lo = item[4], part = item[6];
   const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + nq);
-  const int64_t D = dm.d, G = dm.group, M = nq * G;
+  const int64_t D = dm.d, G = dm.group, H = dm.hkv, M = nq * G, MT = H * M;
   const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
   float* qf = sc.qf.data();
   float* acc = sc.acc.data();
@@ -233,61 +237,69 @@ void attend_task(
   float* kf = sc.kf.data();
   float* kt = sc.kt.data();
   float* vf = sc.vf.data();
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
-      float* dst = qf + (i * G + g) * D;
-      for (int64_t d = 0; d < D; d += VW) store(dst + d, load_f(src + d) * qscale);
+  const int64_t blk = BLOCK_K * D;  // floats per head in kf / kt / vf
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
+        float* dst = qf + (h * M + i * G + g) * D;
+        for (int64_t d = 0; d < D; d += VW) store(dst + d, load_f(src + d) * qscale);
+      }
     }
   }
-  std::fill(acc, acc + M * D, 0.f);
-  std::fill(mrow, mrow + M, NEG_INF);
-  std::fill(lrow, lrow + M, 0.f);
+  std::fill(acc, acc + MT * D, 0.f);
+  std::fill(mrow, mrow + MT, NEG_INF);
+  std::fill(lrow, lrow + MT, 0.f);
   const int32_t* pages = page_table + req * dm.pt_s0;
   const int64_t ps = dm.page_size;
+  const int64_t row_bytes = H * D * static_cast<int64_t>(sizeof(T));
   for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
     const int64_t n = std::min<int64_t>(BLOCK_K, kv_hi - j0);
     int64_t page = j0 / ps, off = j0 % ps;  // one division per block, not per key
     for (int64_t jj = 0; jj < n; ++jj) {
       const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
       if (++off == ps) off = 0, ++page;
-      const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
-      const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
-      for (int64_t d = 0; d < D; d += VW) {
-        const v8 kv = load_f(kp + d);
-        if (tiled) {
-          for (int i = 0; i < VW; ++i) kt[(d + i) * BLOCK_K + jj] = kv[i];
-        } else {
-          store(kf + jj * D + d, kv);
-        }
-        store(vf + jj * D + d, load_f(vp + d));
-      }
-    }
-    if (j0 + BLOCK_K < kv_hi) {  // pages are scattered: prefetch the next block's rows
-      const int64_t n2 = std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
-      const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-      for (int64_t jj = 0; jj < n2; ++jj) {
-        const int64_t pos = j0 + BLOCK_K + jj;
-        const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
-        const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0 + h * dm.kv_s1);
-        const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0 + h * dm.kv_s1);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kp + b);
-          __builtin_prefetch(vp + b);
+      for (int64_t h = 0; h < H; ++h) {
+        const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
+        const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
+        for (int64_t d = 0; d < D; d += VW) {
+          const v8 kv = load_f(kp + d);
+          if (tiled) {
+            for (int i = 0; i < VW; ++i) kt[h * blk + (d + i) * BLOCK_K + jj] = kv[i];
+          } else {
+            store(kf + h * blk + jj * D + d, kv);
+          }
+          store(vf + h * blk + jj * D + d, load_f(vp + d));
         }
       }
     }
-    if (tiled) {
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) scores_tile<4>(qf + r * D, kt, D, s + r * BLOCK_K);
-      for (; r < M; ++r) scores_tile<1>(qf + r * D, kt, D, s + r * BLOCK_K);
-    } else {
-      scores_dot(qf, M, kf, n, D, s);
+    // Pages are scattered: prefetch the next block's rows while this one is computed.
+    const int64_t n2 = std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
+    for (int64_t jj = 0; jj < n2; ++jj) {
+      const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
+      if (++off == ps) off = 0, ++page;
+      const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
+      const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = qf + h * M * D;
+      float* sh = s + h * M * BLOCK_K;
+      if (tiled) {
+        int64_t r = 0;
+        for (; r + 4 <= M; r += 4) scores_tile<4>(qh + r * D, kt + h * blk, D, sh + r * BLOCK_K);
+        for (; r < M; ++r) scores_tile<1>(qh + r * D, kt + h * blk, D, sh + r * BLOCK_K);
+      } else {
+        scores_dot(qh, M, kf + h * blk, n, D, sh);
+      }
     }
     // Online softmax per row over the valid (causal, in-range) keys of this block.
-    for (int64_t r = 0; r < M; ++r) {
+    for (int64_t r = 0; r < MT; ++r) {
       float* sr = s + r * BLOCK_K;
-      const int64_t qpos = pos0 + r / G;
+      const int64_t qpos = pos0 + (r % M) / G;
       const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
       if (nv <= 0) {  // every key of the block is after this query: weights 0, no rescale
         std::fill(sr, sr + BLOCK_K, 0.f);
@@ -309,18 +321,22 @@ void attend_task(
       lrow[r] = lrow[r] * alpha[r] + hsum(sum);
       mrow[r] = m_new;
     }
-    pv_rows<4>(acc, alpha, s, vf, n, M, D);
+    for (int64_t h = 0; h < H; ++h) {
+      pv_rows<4>(acc + h * M * D, alpha + h * M, s + h * M * BLOCK_K, vf + h * blk, n, M, D);
+    }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g, hq = h * G + g;
-      const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
-      if (part < 0) {
-        store_out(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
-      } else {
-        float* po = part_o + (part * dm.hq + hq) * D;
-        for (int64_t d = 0; d < D; ++d) po[d] = acc[r * D + d] * inv;
-        part_lse[part * dm.hq + hq] = mrow[r] + std::log2(lrow[r]);
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * M + i * G + g, hq = h * G + g;
+        const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+        if (part < 0) {
+          store_out(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
+        } else {
+          float* po = part_o + (part * dm.hq + hq) * D;
+          for (int64_t d = 0; d < D; ++d) po[d] = acc[r * D + d] * inv;
+          part_lse[part * dm.hq + hq] = mrow[r] + std::log2(lrow[r]);
+        }
       }
     }
   }
@@ -413,15 +429,14 @@ void paged_attention(
     scalar_t* op = out.data_ptr<scalar_t>();
     const int32_t* pt = page_table.data_ptr<int32_t>();
     parallel_tasks(
-        n_items * hkv,
+        n_items,
         [&] {
           Scratch sc;
-          sc.reserve(max_nq * dm.group, d);
+          sc.reserve(max_nq * hq, hkv, d);
           return sc;
         },
         [&](int64_t t, Scratch& sc) {
-          attend_task<scalar_t>(it + (t / hkv) * 7, t % hkv, qp, kp, vp, pt, op, po, pl, dm,
-                                qscale, sc);
+          attend_task<scalar_t>(it + t * 7, qp, kp, vp, pt, op, po, pl, dm, qscale, sc);
         });
     const int32_t* rd = reduces.data_ptr<int32_t>();
     parallel_tasks(
