@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -48,7 +49,7 @@ typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
-inline v8 bcast(float x) { return v8{} + x; }
+inline v8 bcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline float hsum(v8 v) {
   float s = 0.f;
   for (int i = 0; i < VW; ++i) s += v[i];
@@ -193,18 +194,21 @@ inline void pv_tile(float* acc, const float* alpha, const float* p, const float*
   }
 }
 
-template <int RM>
-inline void pv_rows(float* acc, const float* alpha, const float* p, const float* vf, int64_t n,
-                    int64_t rows, int64_t D) {
+// Row tiles of RM_MAX rows, then one tile for the rest.
+constexpr int RM_MAX = 6;  // 6 rows x 2 vectors = 12 accumulators (of 16 AVX2 registers)
+
+template <typename Tile>
+inline void by_row_tiles(int64_t rows, Tile tile) {
   int64_t r = 0;
-  for (; r + RM <= rows; r += RM) {
-    pv_tile<RM>(acc + r * D, alpha + r, p + r * BLOCK_K, vf, n, D);
+  for (; r + RM_MAX <= rows; r += RM_MAX) tile(r, std::integral_constant<int, RM_MAX>{});
+  switch (rows - r) {
+    case 1: tile(r, std::integral_constant<int, 1>{}); break;
+    case 2: tile(r, std::integral_constant<int, 2>{}); break;
+    case 3: tile(r, std::integral_constant<int, 3>{}); break;
+    case 4: tile(r, std::integral_constant<int, 4>{}); break;
+    case 5: tile(r, std::integral_constant<int, 5>{}); break;
+    default: break;
   }
-  const int64_t rest = rows - r;
-  acc += r * D, alpha += r, p += r * BLOCK_K;
-  if (rest == 1) pv_tile<1>(acc, alpha, p, vf, n, D);
-  if (rest == 2) pv_tile<2>(acc, alpha, p, vf, n, D);
-  if (rest == 3) pv_tile<3>(acc, alpha, p, vf, n, D);
 }
 
 // One work item over all KV heads: a key block is read as whole [Hkv, D] rows (contiguous:
@@ -289,9 +293,10 @@ void attend_task(
       const float* qh = qf + h * M * D;
       float* sh = s + h * M * BLOCK_K;
       if (tiled) {
-        int64_t r = 0;
-        for (; r + 4 <= M; r += 4) scores_tile<4>(qh + r * D, kt + h * blk, D, sh + r * BLOCK_K);
-        for (; r < M; ++r) scores_tile<1>(qh + r * D, kt + h * blk, D, sh + r * BLOCK_K);
+        const float* kth = kt + h * blk;
+        by_row_tiles(M, [&](int64_t r, auto rm) {
+          scores_tile<decltype(rm)::value>(qh + r * D, kth, D, sh + r * BLOCK_K);
+        });
       } else {
         scores_dot(qh, M, kf + h * blk, n, D, sh);
       }
@@ -322,7 +327,13 @@ void attend_task(
       mrow[r] = m_new;
     }
     for (int64_t h = 0; h < H; ++h) {
-      pv_rows<4>(acc + h * M * D, alpha + h * M, s + h * M * BLOCK_K, vf + h * blk, n, M, D);
+      float* ah = acc + h * M * D;
+      const float* alh = alpha + h * M;
+      const float* sh = s + h * M * BLOCK_K;
+      const float* vh = vf + h * blk;
+      by_row_tiles(M, [&](int64_t r, auto rm) {
+        pv_tile<decltype(rm)::value>(ah + r * D, alh + r, sh + r * BLOCK_K, vh, n, D);
+      });
     }
   }
   for (int64_t h = 0; h < H; ++h) {
