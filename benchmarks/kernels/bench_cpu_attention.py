@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -135,6 +136,7 @@ def main() -> None:
             "dtype": args.dtype,
             "torch_version": torch.__version__,
             "note": "2-core box shared with other jobs; min over repeats",
+            "load_average_after": os.getloadavg(),
             "rows": [asdict(r) for r in rows],
         }
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -69,7 +69,7 @@ class CpuAttentionBackend:
         self.force_num_kv_splits: int | None = None
         self.max_kv_splits = 16
         self.min_tokens_per_split = 256
-        self.extend_block = 32
+        self.extend_block = 64
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
