@@ -62,7 +62,12 @@ def make_case(shapes: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     rng.shuffle(free)
     pages = [[free.pop() for _ in range(-(-(p + n) // PAGE))] for p, n in shapes]
     batch = ForwardBatch.build(
-        [[1] * n for _, n in shapes], [p for p, _ in shapes], pages, [[] for _ in shapes], PAGE, "cpu"
+        [[1] * n for _, n in shapes],
+        [p for p, _ in shapes],
+        pages,
+        [[] for _ in shapes],
+        PAGE,
+        "cpu",
     )
     t = sum(n for _, n in shapes)
     q = torch.randn(t, HQ, D, generator=gen).to(dtype)
@@ -102,8 +107,15 @@ def bench(name: str, shapes, threads: int, repeats: int, dtype: torch.dtype) -> 
     torch.testing.assert_close(outs["cpu"].float(), outs["torch"].float(), atol=3e-2, rtol=3e-2)
     for b, be in backends.items():
         fwd[b] = time_us(lambda be=be: be.forward(0, q, k, v, scale), repeats)
-    row = Row(name, threads, fwd["torch"], fwd["cpu"], fwd["torch"] / fwd["cpu"], plan["torch"],
-              plan["cpu"])
+    row = Row(
+        name,
+        threads,
+        fwd["torch"],
+        fwd["cpu"],
+        fwd["torch"] / fwd["cpu"],
+        plan["torch"],
+        plan["cpu"],
+    )
     print(
         f"{name:24s} threads={threads}  torch {row.torch_us:9.1f} us  cpu {row.cpu_us:9.1f} us"
         f"  speedup {row.speedup:5.2f}x  (plan: torch {row.plan_torch_us:.0f} us,"
