@@ -127,22 +127,34 @@ struct Scratch {
   }
 };
 
-// S[r, 0:n] = q[r] . K[0:n] for few rows (decode): one pass over the keys, every K row loaded
-// once for all rows. kf: [n, D] fp32.
+// [sum(a0), ..., sum(a7)]: eight horizontal sums at once.
+inline v8 hsum8(const v8* a) {
+#if defined(__AVX__)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return v8(_mm256_permute2f128_ps(u0, u1, 0x20)) + v8(_mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  v8 r;
+  for (int i = 0; i < VW; ++i) r[i] = hsum(a[i]);
+  return r;
+#endif
+}
+
+// S[r, 0:n8] = q[r] . K[j] for few rows (decode), eight keys at a time (n8 = n rounded up to 8:
+// kf rows n..n8 hold stale finite values whose scores are masked later). kf: [BLOCK_K, D] fp32.
 inline void scores_dot(const float* qf, int64_t rows, const float* kf, int64_t n, int64_t D,
                        float* s) {
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = 0; j < n; j += VW) {
     const float* k = kf + j * D;
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = qf + r * D;
-      v8 a0 = v8{}, a1 = v8{};
-      int64_t d = 0;
-      for (; d + 2 * VW <= D; d += 2 * VW) {
-        a0 += load(q + d) * load(k + d);
-        a1 += load(q + d + VW) * load(k + d + VW);
+      v8 a[VW];
+      for (int i = 0; i < VW; ++i) a[i] = v8{};
+      for (int64_t d = 0; d < D; d += VW) {
+        const v8 qv = load(q + d);
+        for (int i = 0; i < VW; ++i) a[i] += qv * load(k + i * D + d);
       }
-      for (; d < D; d += VW) a0 += load(q + d) * load(k + d);
-      s[r * BLOCK_K + j] = hsum(a0 + a1);
+      store(s + r * BLOCK_K + j, hsum8(a));
     }
   }
 }
