@@ -311,7 +311,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return {**head, "choices": choices, "usage": group.usage()}
 
     def first(index: int) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": None if parse_calls else ""}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def chunks() -> AsyncIterator[bytes]:
