@@ -195,6 +195,9 @@ class NativeSamplingParams(_Strict):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # radixlm: a `tool_calls` constraint spec ({"tools": [{"name", "parameters"}], "mode":
+    # "required" | "auto", "parallel": bool}), what `gen(tools=...)` sends
+    tool_calls: str | dict[str, Any] | None = None
     grammar_best_effort: bool = False
     grammar_whitespace: Literal["compact", "any"] = "compact"
     stream_interval: PositiveInt | None = None

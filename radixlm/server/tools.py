@@ -22,16 +22,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixlm.runtime.grammar.tool_calls import (
+from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
+from radixlm.server.errors import ApiError
+from radixlm.server.protocol import ChatCompletionRequest, ChatTool
+from radixlm.tool_calls import (
     NAME_PATTERN,
     ParsedDelta,
     ToolCallParser,
     format_tool_call,
+    tool_calls_spec,
     tools_prompt,
 )
-from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
-from radixlm.server.errors import ApiError
-from radixlm.server.protocol import ChatCompletionRequest, ChatTool
 
 if TYPE_CHECKING:
     from radixlm.server.serving import EngineClient
@@ -117,21 +118,14 @@ async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> Too
             "json_schema", params, f"tools[{i}].function.parameters", best_effort=lax, **kw
         )
         await check_constraint(client.engine, rc)
-    if mode == "none":
+    named = body.tool_choice if not isinstance(body.tool_choice, str) else None
+    spec = tool_calls_spec(tools, named.model_dump() if named else mode, body.parallel_tool_calls)
+    if spec is None:
         return ToolRequest(tools, mode, None)
-    spec = {
-        "mode": mode,
-        "parallel": body.parallel_tool_calls,
-        "tools": [{"name": t.function.name, "parameters": _params(t)} for t in allowed],
-    }
     param = "tool_choice" if mode == "auto" else "tools"
-    rc = make_constraint("tool_calls", json.dumps(spec), param, best_effort=any_lax, **kw)
+    rc = make_constraint("tool_calls", spec, param, best_effort=any_lax, **kw)
     await check_constraint(client.engine, rc)
     return ToolRequest(tools, mode, rc)
-
-
-def _params(tool: ChatTool) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 # ---- prompt --------------------------------------------------------------------------------------

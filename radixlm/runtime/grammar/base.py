@@ -190,7 +190,7 @@ def normalize_choices(choices: Sequence[str] | str) -> str:
 
 
 def _normalize_tool_calls(spec: str | Mapping[str, Any]) -> str:
-    from radixlm.runtime.grammar.tool_calls import ToolSpecError, normalize_tool_calls
+    from radixlm.tool_calls import ToolSpecError, normalize_tool_calls
 
     try:
         return normalize_tool_calls(spec)
@@ -357,7 +357,7 @@ class GrammarBackend(abc.ABC):
         elif constraint.kind == "choices":
             parse_choices(constraint.spec)
         elif constraint.kind == "tool_calls":
-            from radixlm.runtime.grammar.tool_calls import ToolCallsSpec
+            from radixlm.tool_calls import ToolCallsSpec
 
             for tool in ToolCallsSpec.from_json(constraint.spec).tools:
                 try:

@@ -38,8 +38,8 @@ from radixlm.runtime.grammar.base import (
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT
-from radixlm.runtime.grammar.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 from radixlm.runtime.grammar.vocab import TokenVocab
+from radixlm.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 
 _MAX_ROLLBACK = 64  # Guide history; longer rollbacks replay from the start
 _MAX_FORCED_BYTES = 4096

@@ -36,14 +36,14 @@ from radixlm.runtime.grammar.base import (
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT
-from radixlm.runtime.grammar.tool_calls import (
+from radixlm.runtime.grammar.vocab import TokenVocab
+from radixlm.tool_calls import (
     CALL_END,
     SEPARATOR,
     TRIGGER,
     ToolCallsSpec,
     call_begin,
 )
-from radixlm.runtime.grammar.vocab import TokenVocab
 
 _COMPACT = (",", ":")
 _BUILTIN_SEPARATOR_RULE = re.compile(r"^(basic_(?:array_items|object_properties)\w* ::= .*)$", re.M)

@@ -19,7 +19,7 @@ from radixlm.runtime.grammar import (
     allocate_bitmask,
     is_token_allowed,
 )
-from radixlm.runtime.grammar.tool_calls import (
+from radixlm.tool_calls import (
     ToolCallParser,
     format_tool_call,
     parse_tool_calls,

@@ -1,6 +1,9 @@
 """Tool calls: the text format a model writes them in, the ``tool_calls`` constraint's spec,
 the default prompt block that teaches the format, and the one parser of generated text.
 
+Top level (like ``config.py``) and torch-free: the grammar backends, the HTTP server and the
+frontend DSL all use it, and ``import radixlm.lang`` must not import torch.
+
 The format (Hermes / Qwen style; one block per call, blocks separated by ``"\\n"``)::
 
     <tool_call>
@@ -124,6 +127,44 @@ class ToolCallsSpec:
         return cls(tuple(specs), data.get("mode", "required"), data.get("parallel", False))
 
 
+def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The function object of an OpenAI tool (``{"type": "function", "function": {...}}``); a
+    bare ``{"name": ..., "parameters": ...}`` is accepted as the function itself."""
+    fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ToolSpecError(f"a tool must be a function with a name, got {dict(tool)!r}")
+    return fn
+
+
+def tool_calls_spec(
+    tools: Sequence[Mapping[str, Any]],
+    tool_choice: str | Mapping[str, Any] | None = "auto",
+    parallel: bool = True,
+) -> dict[str, Any] | None:
+    """The ``tool_calls`` constraint spec for OpenAI-style ``tools`` / ``tool_choice`` /
+    ``parallel_tool_calls``: ``"none"`` -> None (no constraint), ``"auto"`` / ``"required"`` ->
+    that mode over all tools, a named function (``{"type": "function", "function": {"name":
+    ...}}``) -> ``required`` over that tool alone."""
+    fns = [function_of(t) for t in tools]
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return None
+    if isinstance(choice, Mapping):
+        name = function_of(choice).get("name")
+        fns = [f for f in fns if f["name"] == name]
+        if not fns:
+            raise ToolSpecError(f"tool_choice names {name!r}, which is not among the tools")
+        choice = "required"
+    if choice not in ("auto", "required"):
+        raise ToolSpecError(
+            f"tool_choice must be none, auto, required or a named function, got {choice!r}"
+        )
+    items = [
+        {"name": f["name"], "parameters": f.get("parameters") or {"type": "object"}} for f in fns
+    ]
+    return {"mode": choice, "parallel": bool(parallel), "tools": items}
+
+
 def normalize_tool_calls(spec: str | Mapping[str, Any]) -> str:
     """Canonical JSON text of a ``tool_calls`` spec (the constraint's cache key)."""
     return ToolCallsSpec.from_json(spec).to_json()
@@ -181,6 +222,11 @@ class ParsedDelta:
 class ParsedToolCall:
     name: str
     arguments: str  # the JSON text, as generated
+
+    @property
+    def args(self) -> Any:
+        """The arguments, parsed (``json.JSONDecodeError`` for a truncated call)."""
+        return json.loads(self.arguments)
 
 
 @dataclass(frozen=True)
