@@ -147,6 +147,8 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
      "sampling_params.json_schema"),
     ("gen-regex-invalid", "POST", G, gen(regex="["), 400, "sampling_params.regex"),
     ("gen-ebnf-invalid", "POST", G, gen(ebnf='root ::= "a'), 400, "sampling_params.ebnf"),
+    ("gen-tool-calls-no-tools", "POST", G, gen(tool_calls={"tools": []}), 400,
+     "sampling_params.tool_calls"),
     ("gen-structural-tag", "POST", G, gen(structural_tag="{}"), 400,
      "sampling_params.structural_tag"),
     ("gen-two-constraints", "POST", G, gen(regex="a", ebnf='root ::= "a"'), 400,
