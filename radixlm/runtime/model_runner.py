@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from radixlm.config import CacheConfig
-from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.runtime.models.llama import MODEL_REGISTRY
 
 logger = logging.getLogger(__name__)

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.config import SchedulerConfig
-from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import take_compiled_grammar
+from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus
 from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
