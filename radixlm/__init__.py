@@ -32,7 +32,7 @@ _LANG = (
     "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
     "set_default_backend", "get_default_backend", "flush_cache", "get_server_info", "var_scope",
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
-    "ChoicesSamplingMethod",
+    "ChoicesSamplingMethod", "tool", "tools_prompt", "parse_tool_calls", "ParsedToolCall",
 )  # fmt: skip
 __all__ = ["Engine", "SamplingParams", "GenerateResult", "EngineStats", *_LANG]
 
