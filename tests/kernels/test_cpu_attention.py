@@ -192,15 +192,20 @@ def test_auto_picks_cpu_when_available():
     assert resolve_backend_name("torch", "cpu") == "torch"
 
 
-def test_second_load_is_fast():
-    """A fresh process loads the built op from the cache in well under a second."""
+def test_second_load_uses_the_cache():
+    """A fresh process loads the built library from the cache without rebuilding it."""
+    lib = build.build_dir() / f"{build.NAME}.so"
+    assert lib.exists()
+    before = lib.stat().st_mtime_ns
     code = (
         "import time, torch; from radixlm.kernels.cpu import build; t = time.perf_counter(); "
         "op = build.load_op(); print(op is not None, time.perf_counter() - t)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     ok, seconds = out.stdout.split()
-    assert ok == "True" and float(seconds) < 1.0, out.stdout + out.stderr
+    assert ok == "True", out.stdout + out.stderr
+    assert lib.stat().st_mtime_ns == before
+    print(f"load from cache: {float(seconds) * 1e3:.0f} ms")
 
 
 def test_fallback_when_the_op_cannot_build(tmp_path):

@@ -23,6 +23,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+NAME = "radixlm_cpu_ops"
 SOURCES = ("paged_attention.cpp",)
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
@@ -72,13 +73,19 @@ def build_dir() -> Path:
 
 
 def _build(verbose: bool = False) -> Any:
-    import torch.utils.cpp_extension as cpp
+    import torch
 
     directory = build_dir()
+    built = directory / f"{NAME}.so"
+    if built.exists():  # the key covers sources, flags, torch, Python, CPU: load it directly
+        torch.ops.load_library(str(built))
+        return torch.ops.radixlm_cpu
+    import torch.utils.cpp_extension as cpp  # imports setuptools (~1 s): only to build
+
     directory.mkdir(parents=True, exist_ok=True)
     src_dir = Path(__file__).parent
     cpp.load(
-        name="radixlm_cpu_ops",
+        name=NAME,
         sources=[str(src_dir / s) for s in SOURCES],
         extra_cflags=list(EXTRA_CFLAGS),  # copies: cpp_extension appends to these lists
         extra_ldflags=list(EXTRA_LDFLAGS),
@@ -86,8 +93,6 @@ def _build(verbose: bool = False) -> Any:
         verbose=verbose,
         is_python_module=False,  # a TORCH_LIBRARY op: loaded into torch.ops.radixlm_cpu
     )
-    import torch
-
     return torch.ops.radixlm_cpu
 
 
