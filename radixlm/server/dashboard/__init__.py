@@ -43,6 +43,7 @@ STATIC_DIR = resources.files(__package__) / "static"
 HISTORY_POINTS = 300  # about five minutes at 1 Hz
 RATE_WINDOW_S = 60.0  # "last minute" for the hit rate
 MIN_SAMPLE_GAP_S = 0.5  # samples closer than this (a viewer joining) join no time series
+RATE_SMOOTH_S = 5.0  # tok/s, evictions/s, retractions/s: averaged over about this long
 SUBSCRIBER_BUFFER = 4  # payloads queued for a slow viewer before older ones are dropped
 
 
@@ -156,8 +157,9 @@ class DashboardHub:
 
     def _serialize_locked(self, snap: EngineSnapshot, include_history: bool) -> bytes:
         gap = MIN_SAMPLE_GAP_S
-        older = (s for s in reversed(self._samples) if snap.monotonic - s.monotonic >= gap)
-        prev = next(older, None)
+        older = [s for s in self._samples if snap.monotonic - s.monotonic >= gap]
+        smooth = [s for s in older if snap.monotonic - s.monotonic >= RATE_SMOOTH_S]
+        prev = smooth[-1] if smooth else older[0] if older else None
         record = not self._samples or snap.monotonic - self._samples[-1].monotonic >= gap
         if record:
             self._samples.append(snap)

@@ -144,6 +144,7 @@ function renderCards(p) {
   text("max-running", String(s.max_running_requests));
   text("kv-pages", fmtInt(m.held_pages) + " / " + fmtInt(m.cached_pages) + " / " + fmtInt(m.free_pages));
   text("kv-total", fmtInt(m.total_pages));
+  text("free-pages", fmtInt(m.free_pages));
   text("page-size", String(m.page_size));
   text("evict-rate", fmtRate(r.evictions_per_s));
   text("retract-rate", fmtRate(r.retractions_per_s));
@@ -297,7 +298,8 @@ function chart(svgId, series, opts) {
   const n = h.length;
   const xs = (i) => left + ((W - left - pad) * (n === 1 ? 1 : i / (n - 1)));
   const stackedTotals = h.map((pt) => series.reduce((s, se) => s + (se.get(pt) || 0), 0));
-  const ymax = Math.max(opts.min || 1, ...(opts.stacked ? stackedTotals : series.flatMap((se) => h.map(se.get))));
+  let ymax = Math.max(opts.min || 1, ...(opts.stacked ? stackedTotals : series.flatMap((se) => h.map(se.get))));
+  if (opts.cap) ymax = Math.min(ymax, Math.max(opts.min || 1, ...h.map(opts.cap)));
   const ys = (v) => H - pad - 12 - ((H - 2 * pad - 12) * v) / ymax;
   const grid = el("text", { x: 2, y: 12 }, svg); grid.textContent = fmtRate(ymax);
   const zero = el("text", { x: 2, y: H - 14 }, svg); zero.textContent = "0";
@@ -321,11 +323,13 @@ function chart(svgId, series, opts) {
 function cssVar(name) { return getComputedStyle(document.documentElement).getPropertyValue(name).trim(); }
 
 function drawMemory() {
+  // Free pages dwarf the rest on a big pool: the axis stops a little above the pages in use
+  // (the free band runs off the top), and the free count is printed under the chart.
   chart("memory-chart", [
     { get: (p) => p.held, color: cssVar("--held") },
     { get: (p) => p.cached, color: cssVar("--cached") },
     { get: (p) => p.free, color: cssVar("--free") },
-  ], { stacked: true });
+  ], { stacked: true, min: 8, cap: (p) => Math.ceil(1.3 * (p.held + p.cached)) });
   chart("events-chart", [
     { get: (p) => p.evictions_per_s, color: cssVar("--evict") },
     { get: (p) => p.retractions_per_s, color: cssVar("--retract") },
@@ -347,7 +351,7 @@ function renderRequests(p) {
     if (st === "prefill") st = `prefill chunk ${r.chunk} of ${r.num_chunks}`;
     else if (st === "grammar") st = "waiting for grammar";
     const cells = [
-      r.request_id.slice(0, 10) + (r.index ? "/" + r.index : ""), st, fmtInt(r.prompt_tokens),
+      r.request_id.slice(0, 16) + (r.index ? "/" + r.index : ""), st, fmtInt(r.prompt_tokens),
       fmtInt(r.cached_tokens), fmtInt(r.computed_tokens), fmtInt(r.output_tokens), r.age_s.toFixed(1) + " s",
     ];
     cells.forEach((c, i) => {
