@@ -1,7 +1,8 @@
 """Does an open `/dashboard` slow the step loop? Step time with and without a viewer.
 
     .venv/bin/python benchmarks/bench_dashboard.py [--rounds 2] [--concurrency 8]
-        [--max-new-tokens 48] [--waves 4] [--viewer-hz 1 10] [--out benchmarks/results/dashboard.json]
+        [--max-new-tokens 48] [--waves 4] [--viewer-hz 1 10] [--threads 2]
+        [--out benchmarks/results/dashboard.json]
 
 Part 1: one in-process `Engine` (default model) runs the same shared-system-prompt workload
 (`waves` x `concurrency` chat requests, EOS ignored) several times, alternating the conditions:
@@ -192,8 +193,10 @@ def main() -> None:
     if not args.skip_engine:
         result["step_time"] = part1(args)
         for name, s in result["step_time"]["summary"].items():
-            print(f"{name:>14}: step {s['step_ms_median']:.1f} ms (median of runs), "
-                  f"{s['output_tok_per_s_median']:.1f} output tok/s, {s['steps_per_run']} steps/run")
+            print(
+                f"{name:>14}: step {s['step_ms_median']:.1f} ms (median of runs), "
+                f"{s['output_tok_per_s_median']:.1f} output tok/s, {s['steps_per_run']} steps/run"
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -111,6 +111,12 @@ def test_stream_sends_a_payload_about_every_second(server, http, tokenizer) -> N
     assert len(shared[0]["key_hash"]) == 8 and "text" not in shared[0]
     raw = orjson.dumps(third).decode()
     assert "Quetzalcoatl" not in raw and "pier" not in raw, "prompt text leaked"
+    assert third["viewers"] == 1
+    # The stream is closed: the hub forgets the viewer (and stops sampling).
+    deadline = time.monotonic() + 10
+    while http.get("/dashboard/snapshot").json()["viewers"] != 0:
+        assert time.monotonic() < deadline, "the closed stream's viewer was never dropped"
+        time.sleep(0.2)
 
 
 def test_recent_window_percentiles() -> None:
