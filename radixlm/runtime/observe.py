@@ -50,8 +50,9 @@ class RequestView:
     chunk: int | None
     num_chunks: int | None
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the radix cache at admission
-    computed_tokens: int  # tokens whose KV is computed (prompt and output)
+    cached_tokens: int  # prompt tokens served from the radix cache at (first) admission
+    computed_prompt_tokens: int  # prompt tokens run through the model so far (past the hit)
+    computed_tokens: int  # positions whose KV is computed (prompt and output)
     output_tokens: int
     age_s: float
     namespace: str
@@ -163,6 +164,9 @@ def _view(req: Request, scheduler: Scheduler, now: float) -> RequestView:
         num_chunks=num_chunks,
         prompt_tokens=req.num_prompt_tokens,
         cached_tokens=req.num_cached_tokens,
+        computed_prompt_tokens=max(
+            0, min(req.num_computed_tokens, req.num_prompt_tokens) - req.num_cached_tokens
+        ),
         computed_tokens=req.num_computed_tokens,
         output_tokens=req.num_output_tokens,
         age_s=now - req.arrival_time,

@@ -28,6 +28,7 @@ def test_prefill_chunks_decoding_and_counters() -> None:
     (view,) = take_snapshot(s).scheduler.requests
     assert (view.state, view.chunk, view.num_chunks) == ("prefill", 2, 5)
     assert (view.prompt_tokens, view.computed_tokens, view.cached_tokens) == (36, 8, 0)
+    assert view.computed_prompt_tokens == 8
     while a.num_computed_tokens < a.num_prompt_tokens:
         s.step()
     snap = take_snapshot(s)
@@ -46,7 +47,7 @@ def test_prefill_chunks_decoding_and_counters() -> None:
     s.step()
     snap = take_snapshot(s)
     (view,) = snap.scheduler.requests
-    assert view.cached_tokens == 16
+    assert view.cached_tokens == 16 and view.computed_prompt_tokens == 12
     assert snap.counters.cache_hit_tokens == 16
     assert snap.counters.cache_queried_tokens == 35 + 27  # prompts minus their last token
     shared = [n for n in snap.tree.nodes if n.prefix_tokens == 16]

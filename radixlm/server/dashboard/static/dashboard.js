@@ -352,7 +352,7 @@ function renderRequests(p) {
     else if (st === "grammar") st = "waiting for grammar";
     const cells = [
       r.request_id.slice(0, 16) + (r.index ? "/" + r.index : ""), st, fmtInt(r.prompt_tokens),
-      fmtInt(r.cached_tokens), fmtInt(r.computed_tokens), fmtInt(r.output_tokens), r.age_s.toFixed(1) + " s",
+      fmtInt(r.cached_tokens), fmtInt(r.computed_prompt_tokens), fmtInt(r.output_tokens), r.age_s.toFixed(1) + " s",
     ];
     cells.forEach((c, i) => {
       const td = document.createElement("td");
