@@ -47,7 +47,8 @@ def test_prefill_chunks_decoding_and_counters() -> None:
     s.step()
     snap = take_snapshot(s)
     (view,) = snap.scheduler.requests
-    assert view.cached_tokens == 16 and view.computed_prompt_tokens == 12
+    assert view.cached_tokens == 16 and view.computed_prompt_tokens == 8  # 12 to go, chunks of 8
+    assert (view.state, view.chunk, view.num_chunks) == ("prefill", 2, 2)
     assert snap.counters.cache_hit_tokens == 16
     assert snap.counters.cache_queried_tokens == 35 + 27  # prompts minus their last token
     shared = [n for n in snap.tree.nodes if n.prefix_tokens == 16]
