@@ -127,7 +127,8 @@ def part1(args: argparse.Namespace) -> dict[str, Any]:
                     res["serialize_ms_mean"] = statistics.fmean(v.serialize_ms or [0.0])
                     res["payload_bytes"] = v.bytes
                 runs.setdefault(name, []).append(res)
-                print(f"round {r} {name:>14}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()))
+                line = ", ".join(f"{k} {v:.3f}" for k, v in res.items())
+                print(f"round {r} {name:>14}: {line}", flush=True)
         summary = {
             name: {
                 "step_ms_median": statistics.median(x["step_ms"] for x in rs),
@@ -166,7 +167,7 @@ def part2() -> list[dict[str, Any]]:
         assert s == full
         row = {"nodes": cache.num_nodes, "summary_nodes": len(s.nodes)}
         row |= {"summarize_ms": 1000 * inc, "full_walk_ms": 1000 * walk}
-        print(row)
+        print(row, flush=True)
         out.append(row)
     return out
 
