@@ -22,6 +22,7 @@ def gen(
     n: int | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -40,7 +41,8 @@ def gen(
     json_schema: str | Mapping[str, Any] | None = None,
 ) -> Expr:
     """Generate into variable `name`. With `choices`, this is `select`. `regex`, `json_schema`
-    and `dtype` (int, float, bool, str) constrain the output. `logprob_start_len` and
+    and `dtype` (int, float, bool, str) constrain the output. `stop_regex`: stop once the
+    generated text contains a match (the match is kept, as in SGLang). `logprob_start_len` and
     `return_text_in_logprobs` are accepted for compatibility and have no effect."""
     if choices:
         return select(
@@ -60,6 +62,7 @@ def gen(
         n=n,
         stop=stop,  # type: ignore[arg-type]
         stop_token_ids=stop_token_ids,  # type: ignore[arg-type]
+        stop_regex=stop_regex,  # type: ignore[arg-type]
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

@@ -30,6 +30,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
@@ -37,6 +38,8 @@ class Completion:
         self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

@@ -382,6 +382,10 @@ class Scheduler:
                 picked = lp.gather(1, targets.to(lp.device)[:, None])[:, 0].tolist()
                 for p, v in zip(positions, picked):
                     req.prompt_logprobs[p + 1 - k] = v
+                if req.prompt_top_logprobs is not None:
+                    top = lp.topk(req.params.top_logprobs, dim=-1)  # [rows, top_logprobs]
+                    for p, vals, ids in zip(positions, top.values.tolist(), top.indices.tolist()):
+                        req.prompt_top_logprobs[p + 1 - k] = list(zip(ids, vals))
                 row += len(positions)
             if req.num_computed_tokens + item.num_tokens == req.num_tokens:
                 row += 1  # its sampling row

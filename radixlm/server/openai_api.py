@@ -23,6 +23,8 @@ from radixlm.server.serving import (
     RequestGroup,
     SSEResponse,
     collect,
+    engine_client,
+    error_event,
     raise_if_failed,
     run_until_disconnect,
     sampling_params,
@@ -41,10 +43,6 @@ CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 # Builds one choice of a chunk: (choice index, delta, text offset so far) -> choice dict.
 ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any]]
-
-
-def _client(request: Request) -> EngineClient:
-    return request.app.state.client
 
 
 # ---- request -> engine ---------------------------------------------------------------------------
@@ -146,7 +144,7 @@ async def _respond(
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     _reject(body.suffix is not None, "suffix", "not supported")
     _reject(body.best_of not in (None, body.n), "best_of", "only best_of == n is supported")
     _reject(body.echo and body.logprobs is not None, "echo", "prompt logprobs are not supported")
@@ -236,7 +234,7 @@ def _completion_logprobs(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     _reject(bool(body.tools), "tools", "tool calling is not supported")
     _reject(body.tool_choice not in (None, "none", "auto"), "tool_choice", "not supported")
     _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
@@ -327,9 +325,7 @@ async def _stream(
                 yield sse({**head, "choices": [first(index)], **_usage(group, opts)})
         async for k, out in group:
             if out.finish_reason == "error":
-                err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
-                logger.error("streamed request failed: %s", out.error)
-                yield sse(err.body())
+                yield error_event(out)
                 yield SSE_DONE
                 return
             if not (out.text or out.logprobs or out.finished):
@@ -362,7 +358,7 @@ def _usage(group: RequestGroup, opts: StreamOptions | None) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     card = {
         "id": client.model_name,
         "object": "model",

@@ -367,6 +367,18 @@ def raise_if_failed(outs: list[list[Completion]]) -> None:
                 )
 
 
+def engine_client(request: Any) -> EngineClient:
+    """The `EngineClient` of the app serving `request`."""
+    return request.app.state.client
+
+
+def error_event(out: RequestOutput) -> bytes:
+    """The SSE event that ends a stream whose request the engine failed."""
+    logger.error("streamed request failed: %s", out.error)
+    err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
+    return sse(err.body())
+
+
 def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 

@@ -50,6 +50,7 @@ def sampling_params(p: GenParams, **override: Any) -> SamplingParams:
         n=p.n,
         stop=p.stop_list,
         stop_token_ids=p.stop_token_ids or (),
+        stop_regex=p.stop_regex or (),
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
