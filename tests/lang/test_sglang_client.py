@@ -68,9 +68,9 @@ def build(lib: ModuleType) -> dict[str, Any]:
         s += "Three short ideas about " + topic + ".\n"
         forks = s.fork(3)
         for i, f in enumerate(forks):
-            f += f"Idea {i + 1}:" + lib.gen("idea", max_tokens=10, stop="\n")
+            f += f"Idea {i + 1}:" + lib.gen("idea", max_tokens=8)
         forks.join()
-        s += "Best idea:" + lib.gen("best", max_tokens=10, stop="\n")
+        s += "\nBest idea:" + lib.gen("best", max_tokens=8)
 
     @lib.function
     def story(s):
@@ -135,13 +135,18 @@ def test_select_every_choices_method(sg_backend, runtime, method):
         backend=sg_backend, method=getattr(sglang.lang.choices, method), temperature=0
     )
     rx = RX["pick"].run(backend=runtime, method=getattr(radixlm, method), temperature=0)
-    assert sg.error() is None if hasattr(sg, "error") else True
+    assert sg.error() is None
     assert sg["check"] in ("True", "False", "Unknown")
     assert sg["check"] == rx["check"]
     sg_meta, rx_meta = sg.get_meta_info("check"), rx.get_meta_info("check")
-    # the scores SGLang's frontend computed from radixlm's logprobs are radixlm's own
-    key = "normalized_prompt_logprobs"
-    assert sg_meta[key] == pytest.approx(rx_meta[key], abs=2e-3)
+    # Each choice is one token here. SGLang's frontend asks for the prompt's logprobs from two
+    # tokens before the choice ("A", ":") and averages them in; the choice token's own logprob
+    # is the one radixlm's in-process select scored.
+    rows = sg_meta["input_token_logprobs"]
+    assert [len(r) for r in rows] == [3, 3, 3] and all(r[0][0] is not None for r in rows)
+    assert [r[-1][2] for r in rows] == ["True", "False", "Unknown"]
+    got = [r[-1][0] for r in rows]
+    assert got == pytest.approx(rx_meta["normalized_prompt_logprobs"], abs=2e-3)
 
 
 def test_multi_turn_roles_with_chat_template(sg_backend, runtime):
@@ -157,14 +162,15 @@ def test_fork_join(sg_backend, runtime):
     sg, rx = both("branches", sg_backend, runtime, topic="gardening")
     assert len(sg["idea"]) == 3 and all(sg["idea"])
     assert sg["idea"] == rx["idea"] and sg["best"] == rx["best"]
+    assert sg.text() == rx.text()
 
 
 def test_run_batch(sg_backend, runtime):
-    args = [{"question": q} for q in ("What is the capital of Spain?", "What is 1+1?")]
+    args = [{"question": q} for q in ("What is the capital of France?", "What is 1+1?")]
     sg = SG["qa"].run_batch(args, backend=sg_backend, temperature=0, num_threads=2)
     rx = RX["qa"].run_batch(args, backend=runtime, temperature=0, progress_bar=False)
     assert [s["answer"] for s in sg] == [s["answer"] for s in rx]
-    assert "Madrid" in sg[0]["answer"]
+    assert "Paris" in sg[0]["answer"]
 
 
 def test_streaming_text_iter(sg_backend, runtime):
