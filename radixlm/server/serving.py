@@ -72,7 +72,7 @@ def sampling_params(names: dict[str, str], **kwargs: Any) -> SamplingParams:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         msg = str(exc)
-        field_name = msg.split(" ", 1)[0]
+        field_name = msg.split(" ", 1)[0].rstrip(":")
         param = names.get(field_name, field_name)
         raise ApiError(msg.replace(field_name, param, 1), param=param) from exc
 
