@@ -36,7 +36,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from radixlm.runtime.outputs import Completion
+from radixlm.runtime.outputs import Completion, sglang_finish_reason
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.server.constraints import (
     RequestConstraint,
@@ -58,12 +58,11 @@ from radixlm.server.serving import (
     EngineClient,
     GenerationRequest,
     RequestGroup,
-    SSEResponse,
     collect,
     engine_client,
     error_event,
     raise_if_failed,
-    run_until_disconnect,
+    respond,
     sampling_params,
     sse,
 )
@@ -124,20 +123,19 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         reqs.append(GenerationRequest(ids, params, rid, constraint))
     group = client.submit(reqs)
     start = time.perf_counter()
-    if body.stream:
-        return SSEResponse(_stream(client, group, body, plist, start), on_close=group.close)
-    try:
-        outs = await run_until_disconnect(request, lambda: collect(group))
-    finally:
-        group.close()
-    raise_if_failed(outs)
-    e2e = time.perf_counter() - start
-    results = [
-        _result(client, group, k, _visible(c, plist[k]), body, lps[k], e2e)
-        for k, per in enumerate(outs)
-        for c in per
-    ]
-    return OrjsonResponse(results[0] if single and len(results) == 1 else results)
+
+    def build(outs: list[list[Completion]]) -> Any:
+        e2e = time.perf_counter() - start
+        results = [
+            _result(client, group, k, _visible(c, plist[k]), body, lps[k], e2e)
+            for k, per in enumerate(outs)
+            for c in per
+        ]
+        return results[0] if single and len(results) == 1 else results
+
+    return await respond(
+        request, group, body.stream, build, lambda: _stream(client, group, body, plist, start)
+    )
 
 
 def _refuse_non_defaults(model: BaseModel, prefix: str = "") -> None:
@@ -270,17 +268,6 @@ def _constraint(sp: NativeSamplingParams) -> RequestConstraint | None:
     return found[0] if found else None
 
 
-def finish_reason_dict(c: Completion) -> dict[str, Any] | None:
-    """SGLang's `meta_info.finish_reason`."""
-    if c.finish_reason is None:
-        return None
-    if c.finish_reason == "length":
-        return {"type": "length", "length": len(c.output_token_ids)}
-    if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.stop_reason}
-    return {"type": c.finish_reason, "message": c.error}
-
-
 def _visible(c: Completion, sp: NativeSamplingParams) -> Completion:
     """`max_new_tokens: 0` (SGLang's prefill-only request, e.g. the frontend's cache_prefix and
     select): the engine generated one token to get there; the client sees none."""
@@ -307,7 +294,9 @@ def _result(
     member = group.members[k]
     meta: dict[str, Any] = {
         "id": member.request_id,
-        "finish_reason": finish_reason_dict(c),
+        "finish_reason": sglang_finish_reason(
+            c.finish_reason, c.stop_reason, len(c.output_token_ids), c.error
+        ),
         "prompt_tokens": member.prompt_tokens,
         "completion_tokens": len(c.output_token_ids),
         "cached_tokens": member.cached_tokens,

@@ -21,12 +21,9 @@ from radixlm.server.serving import (
     EngineClient,
     GenerationRequest,
     RequestGroup,
-    SSEResponse,
-    collect,
     engine_client,
     error_event,
-    raise_if_failed,
-    run_until_disconnect,
+    respond,
     sampling_params,
     sse,
 )
@@ -122,23 +119,6 @@ def _request_ids(client: EngineClient, prefix: str, rid: str | None, count: int)
     return [client.new_request_id(prefix, f"{base}-{k}") for k in range(count)]
 
 
-async def _respond(
-    request: Request,
-    group: RequestGroup,
-    stream: bool,
-    build: Callable[[list[list[Completion]]], dict[str, Any]],
-    chunks: Callable[[], AsyncIterator[bytes]],
-) -> Response:
-    if stream:
-        return SSEResponse(chunks(), on_close=group.close)
-    try:
-        outs = await run_until_disconnect(request, lambda: collect(group))
-    finally:
-        group.close()
-    raise_if_failed(outs)
-    return OrjsonResponse(build(outs))
-
-
 # ---- /v1/completions -----------------------------------------------------------------------------
 
 
@@ -195,7 +175,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     def chunks() -> AsyncIterator[bytes]:
         return _stream(group, body, head, choice, first=None)
 
-    return await _respond(request, group, body.stream, build, chunks)
+    return await respond(request, group, body.stream, build, chunks)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -277,7 +257,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         stream_head = {**head, "object": "chat.completion.chunk"}
         return _stream(group, body, stream_head, lambda i, o, _: message(o, "delta"), first)
 
-    return await _respond(request, group, body.stream, build, chunks)
+    return await respond(request, group, body.stream, build, chunks)
 
 
 def _delta(out: RequestOutput | Completion) -> dict[str, Any]:

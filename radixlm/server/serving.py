@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.grammar.base import GrammarError
@@ -28,7 +28,7 @@ from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput
 from radixlm.runtime.sampling_params import MAX_N, SamplingParams
 from radixlm.server.constraints import RequestConstraint
-from radixlm.server.errors import ApiError
+from radixlm.server.errors import ApiError, OrjsonResponse
 from radixlm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -365,6 +365,26 @@ def raise_if_failed(outs: list[list[Completion]]) -> None:
                     status_code=500,
                     code="engine_error",
                 )
+
+
+async def respond(
+    request: Any,
+    group: RequestGroup,
+    stream: bool,
+    build: Callable[[list[list[Completion]]], Any],
+    chunks: Callable[[], AsyncIterator[bytes]],
+) -> Response:
+    """The response of a submitted group: SSE `chunks()` when streaming, else `build(outs)` of
+    every (prompt, branch) `Completion` as JSON; either way the group is closed at the end and
+    an engine failure is a 500."""
+    if stream:
+        return SSEResponse(chunks(), on_close=group.close)
+    try:
+        outs = await run_until_disconnect(request, lambda: collect(group))
+    finally:
+        group.close()
+    raise_if_failed(outs)
+    return OrjsonResponse(build(outs))
 
 
 def engine_client(request: Any) -> EngineClient:
