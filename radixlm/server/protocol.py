@@ -144,6 +144,7 @@ class ChatCompletionRequest(_OpenAISampling):
 # ---- SGLang native -----------------------------------------------------------------------------
 
 OptInt = Annotated[int, Field(ge=0)] | None
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class NativeSamplingParams(_Strict):
@@ -200,7 +201,7 @@ class GenerateReqInput(_Strict):
     stream: bool = False
     return_logprob: bool | list[bool] | None = None
     logprob_start_len: int | list[int] | None = None
-    top_logprobs_num: OptInt | list[OptInt] = None
+    top_logprobs_num: TopLogprobs | None | list[TopLogprobs | None] = None
     return_text_in_logprobs: bool = False
     # Metadata SGLang accepts; they do not change the result.
     session_id: str | None = None

@@ -68,9 +68,9 @@ def build(lib: ModuleType) -> dict[str, Any]:
         s += "Three short ideas about " + topic + ".\n"
         forks = s.fork(3)
         for i, f in enumerate(forks):
-            f += f"Idea {i + 1}:" + lib.gen("idea", max_tokens=8)
+            f += f"Idea {i + 1}:" + lib.gen("idea", max_tokens=6)
         forks.join()
-        s += "\nBest idea:" + lib.gen("best", max_tokens=8)
+        s += "\nBest idea:" + lib.gen("best", max_tokens=6)
 
     @lib.function
     def story(s):

@@ -211,14 +211,23 @@ def first_match_end(text: str, pattern: str) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("pattern", [r"\d", r"9, 1\d", r"\b1[0-9]\b", r"[02468], [13579],"])
-def test_stop_regex_cuts_right_after_the_first_match(http, pattern):
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    prompt = "Count to ten: 1, 2, 3, 4, 5, 6,"
-    full = http.post("/generate", json={"text": prompt, "sampling_params": params}).json()["text"]
+COUNT = "Count to ten: 1, 2, 3, 4, 5, 6,"
+COUNT_PARAMS = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def count_text(http) -> str:
+    """The greedy continuation of COUNT without any stop."""
+    body = {"text": COUNT, "sampling_params": COUNT_PARAMS}
+    return http.post("/generate", json=body).json()["text"]
+
+
+@pytest.mark.parametrize("pattern", [r"\d", r"9, 1\d", r"\b1[0-9]\b"])
+def test_stop_regex_cuts_right_after_the_first_match(http, count_text, pattern):
+    full = count_text
     end = first_match_end(full, pattern)
     assert end is not None, full  # the prompt is chosen so every pattern matches
-    body = {"text": prompt, "sampling_params": {**params, "stop_regex": [pattern]}}
+    body = {"text": COUNT, "sampling_params": {**COUNT_PARAMS, "stop_regex": [pattern]}}
     out = http.post("/generate", json=body).json()
     assert out["text"] == full[:end]  # the match is kept; nothing after it
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
@@ -233,14 +242,11 @@ def test_stop_regex_cuts_right_after_the_first_match(http, pattern):
     assert texts[-1] == full[:end] and all(texts[-1].startswith(t) for t in texts)
 
 
-def test_stop_regex_and_stop_string_first_to_complete_wins(http):
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    prompt = "Count to ten: 1, 2, 3, 4, 5, 6,"
-    full = http.post("/generate", json={"text": prompt, "sampling_params": params}).json()["text"]
-    digit = re.search(r"\d", full)
-    assert digit is not None
-    sp = {**params, "stop_regex": r"\d", "stop": full[: digit.start()] or ","}
-    out = http.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
+def test_stop_regex_and_stop_string_first_to_complete_wins(http, count_text):
+    digit = re.search(r"\d", count_text)
+    assert digit is not None and digit.start() > 0
+    sp = {**COUNT_PARAMS, "stop_regex": r"\d", "stop": count_text[: digit.start()]}
+    out = http.post("/generate", json={"text": COUNT, "sampling_params": sp}).json()
     reason = out["meta_info"]["finish_reason"]["matched"]
     assert reason == sp["stop"] and out["text"] == ""  # the stop string completes first
 
