@@ -75,7 +75,7 @@ def build(lib: ModuleType) -> dict[str, Any]:
     @lib.function
     def story(s):
         s += "Once upon a time, in a small village,"
-        s += lib.gen("story", max_tokens=24)
+        s += lib.gen("story", max_tokens=12)
 
     @lib.function
     def count(s):
