@@ -15,3 +15,14 @@ fi
 # its requirements are SGLang's GPU server (CUDA torch, flashinfer, ...); the few packages its
 # frontend imports are in the `test` extra. (`pip check` then lists sglang's unmet server deps.)
 .venv/bin/pip install -q --disable-pip-version-check --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
+# Headless Chromium for the dashboard's browser test (tests/server/test_dashboard_browser.py);
+# only when missing, and only where apt can run (root). Elsewhere that one test skips, saying why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        chromium chromium-driver >/dev/null; } \
+      || echo "setup: could not install chromium; the dashboard browser test will skip"
+  else
+    echo "setup: chromium is not installed (needs root + apt); the dashboard browser test will skip"
+  fi
+fi
