@@ -11,6 +11,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+# SGLang's own client for the compatibility tests (tests/lang/test_sglang_client.py). --no-deps:
+# its requirements are SGLang's GPU server (CUDA torch, flashinfer, ...); the few packages its
+# frontend imports are in the `test` extra. (`pip check` then lists sglang's unmet server deps.)
+.venv/bin/pip install -q --disable-pip-version-check --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
 # Headless Chromium for the dashboard's browser test (tests/server/test_dashboard_browser.py);
 # only when missing, and only where apt can run (root). Elsewhere that one test skips, saying why.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then

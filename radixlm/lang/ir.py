@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from radixlm.runtime.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
     from radixlm.lang.choices import ChoicesSamplingMethod
 
@@ -47,6 +49,7 @@ class GenParams:
     n: int | None = None
     stop: str | tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    stop_regex: str | tuple[str, ...] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -67,6 +70,9 @@ class GenParams:
             set_(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             set_(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.stop_regex is not None:
+            # the engine's own validation (syntax, count, length), raised at `gen(...)`
+            set_(self, "stop_regex", SamplingParams(stop_regex=self.stop_regex).stop_regex)
         set_(self, "dtype", dtype_name(self.dtype))
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             if not isinstance(self.json_schema, (Mapping, bool)):
@@ -111,6 +117,7 @@ DEFAULT_PARAMS = GenParams(
     n=1,
     stop=(),
     stop_token_ids=(),
+    stop_regex=(),
     temperature=1.0,
     top_p=1.0,
     top_k=-1,

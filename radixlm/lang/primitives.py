@@ -24,6 +24,7 @@ def gen(
     n: int | None = None,
     stop: str | Sequence[str] | None = None,
     stop_token_ids: Sequence[int] | None = None,
+    stop_regex: str | Sequence[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -45,9 +46,10 @@ def gen(
     parallel_tool_calls: bool = True,
 ) -> Expr:
     """Generate into variable `name`. With `choices`, this is `select`. `regex`, `json_schema`
-    and `dtype` (int, float, bool, str) constrain the output. `tools` (OpenAI tool objects)
-    with `tool_choice` (`"auto"` by default, `"required"`, `"none"` or `{"type": "function",
-    "function": {"name": ...}}`) constrain tool calls written in the format of
+    and `dtype` (int, float, bool, str) constrain the output. `stop_regex`: stop once the
+    generated text contains a match (the match is kept, as in SGLang). `tools` (OpenAI tool
+    objects) with `tool_choice` (`"auto"` by default, `"required"`, `"none"` or `{"type":
+    "function", "function": {"name": ...}}`) constrain tool calls written in the format of
     `radixlm.tool_calls` (show the model the tools with `tools_prompt(tools)`); read them back
     with `s.tool_calls(name)`. `logprob_start_len` and `return_text_in_logprobs` are accepted
     for compatibility and have no effect."""
@@ -74,6 +76,7 @@ def gen(
         n=n,
         stop=stop,  # type: ignore[arg-type]
         stop_token_ids=stop_token_ids,  # type: ignore[arg-type]
+        stop_regex=stop_regex,  # type: ignore[arg-type]
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

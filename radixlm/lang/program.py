@@ -75,6 +75,7 @@ class Program:
         max_new_tokens: int = 128,
         stop: str | Sequence[str] | None = None,
         stop_token_ids: Sequence[int] | None = None,
+        stop_regex: str | Sequence[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -90,8 +91,8 @@ class Program:
     ) -> ProgramState:
         defaults = GenParams(
             max_new_tokens=max_new_tokens, stop=stop or (), stop_token_ids=stop_token_ids or (),
-            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            stop_regex=stop_regex or (), temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
             ignore_eos=ignore_eos, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
         ).merged(DEFAULT_PARAMS)  # fmt: skip

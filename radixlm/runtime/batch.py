@@ -64,5 +64,8 @@ class StepOutput:
     # Per item index: the logprobs of the prompt tokens `positions.start + 1 ...` (prompt
     # logprob rows of that item), absent when the item had none.
     prompt_logprobs: dict[int, tuple[range, list[float]]] = field(default_factory=dict)
+    # Per item index, when its request asks for top logprobs: the top (token, logprob) pairs
+    # at the same positions.
+    prompt_top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0

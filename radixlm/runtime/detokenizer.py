@@ -15,6 +15,11 @@ Invariants:
 - ``"".join(every delta returned so far) == text`` at all times;
 - the first stop string to *complete* wins (ties: the one starting first), which is what a
   character-by-character scan would find, independent of tokenization;
+- ``stop_regex``: the generated text is searched after every character it grows by, so the
+  first match to complete wins (against stop strings too; a tie goes to the stop string); the
+  output ends exactly where that match ends: the match is kept (SGLang's behaviour) and nothing
+  after it is ever released. Text before a possible match needs no hold-back, since it is part
+  of the output either way. ``stop_reason`` is then the pattern.
 - deltas are decoded with ``clean_up_tokenization_spaces=False`` so the streamed text equals
   ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``.
 
@@ -24,6 +29,7 @@ should only be appended here when its text is wanted in the output.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -31,6 +37,7 @@ from radixlm.runtime.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
+_UNBOUNDED = 2**31  # `getwidth()` reports an unbounded repeat as a huge number
 
 
 def stop_token_hit(
@@ -65,6 +72,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
         self._stop = params.stop
+        # (pattern, longest match in characters or None when unbounded)
+        self._regex = [(r, _max_width(r)) for r in params.compiled_stop_regex]
+        self._checked = 0  # characters of text + pending already searched for stop_regex
         self._include_stop = params.include_stop_str_in_output
         # NOTE: _ids holds only the decode window; ids before prefix_offset are dropped.
         self._ids: list[int] = list(prompt_ids[-context_tokens:]) if context_tokens > 0 else []
@@ -126,14 +136,20 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         """Move the releasable part of ``_pending`` to the output, handling stop strings."""
         pending = self._pending
-        if self._stop and pending:
-            hit = self._find_stop(pending)
-            if hit is not None:
-                start, stop = hit
-                cut = start + len(stop) if self._include_stop else start
+        hit = self._find_stop(pending) if self._stop and pending else None
+        if self._regex and pending:
+            regex_hit = self._find_regex(pending)
+            if regex_hit is not None and (hit is None or regex_hit[0] < hit[0] + len(hit[1])):
+                end, pattern = regex_hit
                 self._pending = ""
-                self.stopped, self.stop_reason = True, stop
-                return self._emit(pending[:cut])
+                self.stopped, self.stop_reason = True, pattern
+                return self._emit(pending[:end])
+        if hit is not None:
+            start, stop = hit
+            cut = start + len(stop) if self._include_stop else start
+            self._pending = ""
+            self.stopped, self.stop_reason = True, stop
+            return self._emit(pending[:cut])
         hold = 0 if final else self._holdback(pending)
         self._pending = pending[len(pending) - hold :] if hold else ""
         return self._emit(pending[: len(pending) - hold])
@@ -149,6 +165,23 @@ class IncrementalDetokenizer:
                     best = key
         return None if best is None else (best[1], best[2])
 
+    def _find_regex(self, pending: str) -> tuple[int, str] | None:
+        """(end within ``pending``, pattern) of the stop_regex match that completes first.
+
+        Each end position not searched before is tried in order, so the result does not
+        depend on how the text was split into tokens; a bounded pattern only searches the
+        window where a match ending there could start."""
+        released = len(self.text)
+        full = self.text + pending
+        first = max(self._checked, released) + 1
+        self._checked = len(full)
+        for end in range(first, len(full) + 1):
+            for pattern, width in self._regex:
+                lo = 0 if width is None else max(0, end - width)
+                if pattern.search(full, lo, end) is not None:
+                    return end - released, pattern.pattern
+        return None
+
     def _holdback(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         hold = 0
@@ -163,3 +196,16 @@ class IncrementalDetokenizer:
         if delta:
             self._chunks.append(delta)
         return delta
+
+
+def _max_width(pattern: re.Pattern[str]) -> int | None:
+    """Most characters one match of ``pattern`` can span; None when unbounded."""
+    try:
+        from re import _parser as parser  # Python >= 3.11
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser  # type: ignore[no-redef]
+    try:
+        width = parser.parse(pattern.pattern, pattern.flags).getwidth()[1]
+    except Exception:  # noqa: BLE001 - fall back to searching the whole text
+        return None
+    return None if width >= _UNBOUNDED else width

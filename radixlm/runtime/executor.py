@@ -145,13 +145,14 @@ class Executor:
             src, dst = zip(*batch.page_copies)
             self.runner.kv_cache.copy_pages(list(src), list(dst))
         t1 = time.perf_counter()
-        prompt_lps = self._prompt_logprobs(batch, logits, lp_positions)
+        prompt_lps, prompt_tops = self._prompt_logprobs(batch, logits, lp_positions)
         rows = [sample_row[s.item] for s in batch.samples]
         token_ids, logprobs = self._sample([s.req for s in batch.samples], logits, rows)
         return StepOutput(
             token_ids=token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_lps,
+            prompt_top_logprobs=prompt_tops,
             forward_seconds=t1 - t0,
             sample_seconds=time.perf_counter() - t1,
         )
@@ -159,9 +160,11 @@ class Executor:
     @staticmethod
     def _prompt_logprobs(
         batch: ScheduledBatch, logits: torch.Tensor, positions: list[range]
-    ) -> dict[int, tuple[range, list[float]]]:
-        """log p(prompt[p + 1] | prompt[: p + 1]) for the prompt-logprob rows of each item."""
+    ) -> tuple[dict[int, tuple[range, list[float]]], dict[int, list[list[tuple[int, float]]]]]:
+        """log p(prompt[p + 1] | prompt[: p + 1]) for the prompt-logprob rows of each item, and
+        the top `top_logprobs` (token, logprob) pairs of those rows where the request asks."""
         out: dict[int, tuple[range, list[float]]] = {}
+        tops: dict[int, list[list[tuple[int, float]]]] = {}
         row = 0
         for k, (item, pos) in enumerate(zip(batch.items, positions)):
             if len(pos):
@@ -170,10 +173,16 @@ class Executor:
                 targets = torch.tensor(req.token_ids[pos.start + 1 : pos.stop + 1])
                 picked = lp.gather(1, targets.to(lp.device)[:, None])[:, 0].tolist()
                 out[k] = (pos, picked)
+                if req.params.top_logprobs > 0:
+                    top = lp.topk(req.params.top_logprobs, dim=-1)  # [n, top_logprobs]
+                    tops[k] = [
+                        list(zip(ids, vals))
+                        for ids, vals in zip(top.indices.tolist(), top.values.tolist())
+                    ]
                 row += len(pos)
             if item.req.num_computed_tokens + item.num_tokens == item.req.num_tokens:
                 row += 1  # its sampling row
-        return out
+        return out, tops
 
     def _sample(
         self, reqs: list[Request], logits: torch.Tensor, rows: list[int]

@@ -217,6 +217,7 @@ class OutputProcessor:
                     cached_tokens=req.num_cached_tokens,
                     completion_tokens=req.num_output_tokens,
                     prompt_logprobs=req.prompt_logprobs if finished else None,
+                    prompt_top_logprobs=req.prompt_top_logprobs if finished else None,
                 ),
             )
         )

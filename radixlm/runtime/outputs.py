@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixlm.runtime.request import RequestOutput, TokenLogprob
 
@@ -30,6 +31,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
@@ -37,10 +39,27 @@ class Completion:
         self.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = delta.prompt_top_logprobs
         if delta.finished:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error = delta.error
+
+
+def sglang_finish_reason(
+    reason: str | None, stop_reason: str | int | None, length: int, error: str | None = None
+) -> dict[str, Any] | None:
+    """SGLang's `meta_info.finish_reason`: `{"type": "stop", "matched": stop string, pattern or
+    token id}`, `{"type": "length", "length": output tokens}`, `{"type": "abort" | "error"}`
+    (with `"message"` when there is one); None while unfinished."""
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": length}
+    if reason == "stop":
+        return {"type": "stop", "matched": stop_reason}
+    return {"type": reason} if error is None else {"type": reason, "message": error}
 
 
 @dataclass

@@ -60,6 +60,8 @@ class RequestOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None  # on the finishing delta, when asked
+    # With top_logprobs > 0: the top (token, logprob) pairs per prompt position (None at 0).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 OutputSink = Callable[[RequestOutput], None]
@@ -105,6 +107,8 @@ class Request:
     # logprob_start_len >= 0: entry j is the logprob of prompt token (start + j); None for
     # position 0 (nothing predicts it).
     prompt_logprobs: list[float | None] | None = None
+    # ... and with top_logprobs > 0, the top (token, logprob) pairs at those positions.
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -112,6 +116,8 @@ class Request:
         k = self.prompt_logprob_start
         if k is not None:
             self.prompt_logprobs = [None] * (self.num_prompt_tokens - k)
+            if self.params.top_logprobs > 0:
+                self.prompt_top_logprobs = [None] * (self.num_prompt_tokens - k)
 
     @property
     def num_prompt_tokens(self) -> int:

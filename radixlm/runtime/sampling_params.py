@@ -5,6 +5,8 @@ Invariants after ``__post_init__`` (a ``SamplingParams`` is frozen, so they hold
 - every numeric field has the right type (``bool`` is never accepted as a number) and is finite;
 - ``top_k`` is ``-1`` (disabled) or ``>= 1`` (``0`` is normalized to ``-1``);
 - ``stop`` is a tuple of non-empty strings, ``stop_token_ids`` a tuple of ints ``>= 0``;
+- ``stop_regex`` is a tuple of at most ``MAX_STOP_REGEX`` patterns that compile with ``re``
+  and match no empty string (``compiled_stop_regex`` holds them compiled);
 - ``top_logprobs > 0`` implies ``logprobs`` (normalized to ``True``);
 - ``constraint`` is None or a ``Constraint`` (a mapping of ``Constraint.from_params`` keywords,
   e.g. ``{"json_schema": schema}``, is converted); its deeper checks (metaschema, unsupported
@@ -13,7 +15,9 @@ Invariants after ``__post_init__`` (a ``SamplingParams`` is frozen, so they hold
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_STOP_REGEX = 32
+MAX_STOP_REGEX_BYTES = 256
 _SEED_LIMIT = 2**64
 
 
@@ -68,6 +74,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
+    # Regular expressions (Python `re`): generation stops as soon as the generated text contains
+    # a match; the output ends where that match ends (the match is kept, as in SGLang).
+    stop_regex: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -105,6 +114,7 @@ class SamplingParams:
             if not 0 <= seed < _SEED_LIMIT:
                 raise ValueError(f"seed must be in [0, 2**64), got {seed}")
         set_(self, "stop", self._normalize_stop(self.stop))
+        set_(self, "stop_regex", self._normalize_stop_regex(self.stop_regex))
         set_(self, "stop_token_ids", self._normalize_stop_token_ids(self.stop_token_ids))
         for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
@@ -137,6 +147,31 @@ class SamplingParams:
         for s in out:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain non-empty strings, got {stop!r}")
+        return out
+
+    @staticmethod
+    def _normalize_stop_regex(value: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        items = (value,) if isinstance(value, str) else value
+        if isinstance(items, bytes) or not isinstance(items, Sequence):
+            raise ValueError(f"stop_regex must be a str or a list of str, got {value!r}")
+        out = tuple(items)
+        if len(out) > MAX_STOP_REGEX:
+            raise ValueError(f"stop_regex: at most {MAX_STOP_REGEX} patterns, got {len(out)}")
+        for pattern in out:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(f"stop_regex must contain non-empty strings, got {value!r}")
+            if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
+                raise ValueError(
+                    f"stop_regex: a pattern is over {MAX_STOP_REGEX_BYTES} bytes: {pattern[:40]!r}"
+                )
+            try:
+                compiled = compile_stop_regex(pattern)
+            except (re.error, RecursionError, OverflowError) as exc:
+                raise ValueError(f"stop_regex: invalid pattern {pattern!r}: {exc}") from None
+            if compiled.fullmatch("") is not None:
+                raise ValueError(f"stop_regex: {pattern!r} matches the empty string")
         return out
 
     @staticmethod
@@ -185,6 +220,16 @@ class SamplingParams:
         )
 
     @property
+    def compiled_stop_regex(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(compile_stop_regex(p) for p in self.stop_regex)
+
+    @property
     def max_stop_str_len(self) -> int:
         """Length of the longest stop string (0 when there is none)."""
         return max((len(s) for s in self.stop), default=0)
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_stop_regex(pattern: str) -> re.Pattern[str]:
+    """`re.compile`, cached: the same stop patterns recur across requests."""
+    return re.compile(pattern)

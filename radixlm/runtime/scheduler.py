@@ -355,6 +355,10 @@ class Scheduler:
             req = item.req
             if k in out.prompt_logprobs:
                 self._record_prompt_logprobs(req, *out.prompt_logprobs[k])
+                if k in out.prompt_top_logprobs and req.prompt_top_logprobs is not None:
+                    k0 = out.prompt_logprobs[k][0].start + 1 - (req.prompt_logprob_start or 0)
+                    tops = out.prompt_top_logprobs[k]
+                    req.prompt_top_logprobs[k0 : k0 + len(tops)] = tops
             was_prefill = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += item.num_tokens
             if was_prefill:

@@ -21,10 +21,9 @@ from radixlm.server.serving import (
     EngineClient,
     GenerationRequest,
     RequestGroup,
-    SSEResponse,
-    collect,
-    raise_if_failed,
-    run_until_disconnect,
+    engine_client,
+    error_event,
+    respond,
     sampling_params,
     sse,
 )
@@ -43,10 +42,6 @@ CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # Builds one choice of a chunk: (choice index, delta, text offset so far) -> choice dict, or
 # None when the delta has nothing to send yet.
 ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any] | None]
-
-
-def _client(request: Request) -> EngineClient:
-    return request.app.state.client
 
 
 # ---- request -> engine ---------------------------------------------------------------------------
@@ -126,29 +121,12 @@ def _request_ids(client: EngineClient, prefix: str, rid: str | None, count: int)
     return [client.new_request_id(prefix, f"{base}-{k}") for k in range(count)]
 
 
-async def _respond(
-    request: Request,
-    group: RequestGroup,
-    stream: bool,
-    build: Callable[[list[list[Completion]]], dict[str, Any]],
-    chunks: Callable[[], AsyncIterator[bytes]],
-) -> Response:
-    if stream:
-        return SSEResponse(chunks(), on_close=group.close)
-    try:
-        outs = await run_until_disconnect(request, lambda: collect(group))
-    finally:
-        group.close()
-    raise_if_failed(outs)
-    return OrjsonResponse(build(outs))
-
-
 # ---- /v1/completions -----------------------------------------------------------------------------
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     _reject(body.suffix is not None, "suffix", "not supported")
     _reject(body.best_of not in (None, body.n), "best_of", "only best_of == n is supported")
     _reject(body.echo and body.logprobs is not None, "echo", "prompt logprobs are not supported")
@@ -199,7 +177,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     def chunks() -> AsyncIterator[bytes]:
         return _stream(group, body, head, choice, first=None)
 
-    return await _respond(request, group, body.stream, build, chunks)
+    return await respond(request, group, body.stream, build, chunks)
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -238,7 +216,7 @@ def _completion_logprobs(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
     client.check_n(body.n)
     tools = await tool_request(client, body)
@@ -318,7 +296,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         stream_head = {**head, "object": "chat.completion.chunk"}
         return _stream(group, body, stream_head, delta, first)
 
-    return await _respond(request, group, body.stream, build, chunks)
+    return await respond(request, group, body.stream, build, chunks)
 
 
 def _delta(out: RequestOutput | Completion) -> dict[str, Any]:
@@ -366,9 +344,7 @@ async def _stream(
                 yield sse({**head, "choices": [first(index)], **_usage(group, opts)})
         async for k, out in group:
             if out.finish_reason == "error":
-                err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
-                logger.error("streamed request failed: %s", out.error)
-                yield sse(err.body())
+                yield error_event(out)
                 yield SSE_DONE
                 return
             if not (out.text or out.logprobs or out.finished):
@@ -403,7 +379,7 @@ def _usage(group: RequestGroup, opts: StreamOptions | None) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     card = {
         "id": client.model_name,
         "object": "model",

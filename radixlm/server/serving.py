@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.grammar.base import GrammarError
@@ -28,7 +28,7 @@ from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput
 from radixlm.runtime.sampling_params import MAX_N, SamplingParams
 from radixlm.server.constraints import RequestConstraint
-from radixlm.server.errors import ApiError
+from radixlm.server.errors import ApiError, OrjsonResponse
 from radixlm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def sampling_params(names: dict[str, str], **kwargs: Any) -> SamplingParams:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         msg = str(exc)
-        field_name = msg.split(" ", 1)[0]
+        field_name = msg.split(" ", 1)[0].rstrip(":")
         param = names.get(field_name, field_name)
         raise ApiError(msg.replace(field_name, param, 1), param=param) from exc
 
@@ -395,6 +395,38 @@ def raise_if_failed(outs: list[list[Completion]]) -> None:
                     status_code=500,
                     code="engine_error",
                 )
+
+
+async def respond(
+    request: Any,
+    group: RequestGroup,
+    stream: bool,
+    build: Callable[[list[list[Completion]]], Any],
+    chunks: Callable[[], AsyncIterator[bytes]],
+) -> Response:
+    """The response of a submitted group: SSE `chunks()` when streaming, else `build(outs)` of
+    every (prompt, branch) `Completion` as JSON; either way the group is closed at the end and
+    an engine failure is a 500."""
+    if stream:
+        return SSEResponse(chunks(), on_close=group.close)
+    try:
+        outs = await run_until_disconnect(request, lambda: collect(group))
+    finally:
+        group.close()
+    raise_if_failed(outs)
+    return OrjsonResponse(build(outs))
+
+
+def engine_client(request: Any) -> EngineClient:
+    """The `EngineClient` of the app serving `request`."""
+    return request.app.state.client
+
+
+def error_event(out: RequestOutput) -> bytes:
+    """The SSE event that ends a stream whose request the engine failed."""
+    logger.error("streamed request failed: %s", out.error)
+    err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
+    return sse(err.body())
 
 
 def sse(obj: Any) -> bytes:

@@ -227,9 +227,25 @@ def test_gen_argument_errors():
         sgl.gen("x", regex="a+", json_schema={"type": "object"})
     with pytest.raises(ValueError, match="dtype"):
         sgl.gen("x", dtype=list)
+    with pytest.raises(ValueError, match="stop_regex: invalid pattern"):
+        sgl.gen("x", stop_regex="(")
+    with pytest.raises(ValueError, match="stop_regex: .* matches the empty string"):
+        sgl.gen("x", stop_regex=["a", "b*"])
     with pytest.raises(ValueError, match="choices"):
         sgl.select("x", choices=[])
     assert isinstance(sgl.gen("x", choices=["a", "b"]), type(sgl.select("x", ["a"])))
+
+
+def test_stop_regex_reaches_the_backend_and_run_defaults_apply():
+    be = FakeBackend()
+
+    @sgl.function
+    def prog(s):
+        s += sgl.gen("a", stop_regex=r"\d+") + sgl.gen("b")
+
+    prog.run(backend=be, stop_regex=["x", "y"])
+    assert be.calls[0][2].stop_regex == (r"\d+",)
+    assert be.calls[1][2].stop_regex == ("x", "y")
 
 
 def test_streaming_text_iter_and_async_iter():

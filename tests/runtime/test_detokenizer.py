@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 import pytest
@@ -293,3 +294,97 @@ def test_stop_token_hit() -> None:
     assert stop_token_hit(2, p, [2], 3) == 2
     assert stop_token_hit(5, p, [2], 3) is None
     assert stop_token_hit(2, SamplingParams(ignore_eos=True), [2], 3) is None
+
+
+# ---- stop_regex -------------------------------------------------------------------------------
+
+
+def first_regex_stop(
+    text: str, patterns: Sequence[str], stops: Sequence[str] = ()
+) -> tuple[int, str] | None:
+    """Reference: grow the text one character at a time; the first stop (a stop string ending
+    here, else a pattern found in the text so far) wins. Returns (output length, reason)."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            stop = max(done, key=len)
+            return end - len(stop), stop
+        for p in patterns:
+            if re.search(p, text[:end]):
+                return end, p
+    return None
+
+
+@pytest.mark.parametrize(
+    ("text", "patterns", "expected"),
+    [
+        ("Answer: 42 apples", [r"\d+"], "Answer: 4"),  # first match to complete: one digit
+        ("Answer: 42 apples", [r"\d+ "], "Answer: 42 "),
+        ("abc. def. ghi", [r"\.\s"], "abc. "),
+        ("x = 1;\ny = 2;", [r";\n", "y"], "x = 1;\n"),
+        ("the end here", [r"\bend\b"], "the end"),  # \b at the end of the text so far
+        ("no match", [r"\d"], "no match"),
+    ],
+)
+def test_stop_regex_keeps_the_match_and_nothing_after(
+    text: str, patterns: list[str], expected: str
+) -> None:
+    tok = tokenizer("byte_level")
+    hit = first_regex_stop(text, patterns)
+    want = text if hit is None else text[: hit[0]]
+    assert want == expected
+    for ids in (char_ids(tok, text), encode(tok, text)):  # independent of tokenization
+        deltas, detok = stream(tok, [], ids, SamplingParams(stop_regex=patterns))
+        assert "".join(deltas) == detok.text == expected
+        assert detok.stopped == (hit is not None)
+        if hit is not None:
+            assert detok.stop_reason == hit[1]
+            assert detok.append(encode(tok, "a")[0]) == "" and detok.finish() == ""
+
+
+regexes = st.sampled_from([r"\d", r"lo+", r"o\s", r"[é世]", r"h.l", r"(ab|ra)", r"w\b", r"\n"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=60, deadline=None)
+@given(
+    text=texts,
+    patterns=st.lists(regexes, min_size=1, max_size=2),
+    stops=st.lists(st.text(alphabet=st.sampled_from(ALPHABET), min_size=1, max_size=3), max_size=2),
+)
+def test_stop_regex_matches_char_scan(
+    kind: str, text: str, patterns: list[str], stops: list[str]
+) -> None:
+    """Against a character-by-character reference, with stop strings mixed in; streamed deltas
+    never hold text that the final output does not."""
+    tok = tokenizer(kind)
+    prompt = encode(tok, "hello")
+    ids = encode(tok, text)
+    deltas, detok = stream(tok, prompt, ids, SamplingParams(stop=stops, stop_regex=patterns))
+    full = reference(tok, prompt, ids)
+    hit = first_regex_stop(full, patterns, stops)
+    if hit is None:
+        assert "".join(deltas) == full and not detok.stopped
+    else:
+        assert "".join(deltas) == full[: hit[0]]
+        assert detok.stopped and detok.stop_reason == hit[1]
+    assert not any("\ufffd" in d for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("(", "invalid pattern"),
+        ("a*", "matches the empty string"),
+        ([""], "non-empty"),
+        (["x"] * 33, "at most 32"),
+        ("a" * 300, "over 256 bytes"),
+        (3, "str or a list"),
+    ],
+)
+def test_stop_regex_validation(value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        SamplingParams(stop_regex=value)
+    assert str(err.value).startswith("stop_regex")
+    assert SamplingParams(stop_regex=r"\d").stop_regex == (r"\d",)
+    assert SamplingParams(stop_regex=None).stop_regex == ()

@@ -373,3 +373,27 @@ def test_prompt_logprobs_of_a_one_token_prompt():
     s.add_request(r)
     run(s)
     assert r.prompt_logprobs == [None]
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prompt_top_logprobs_match_the_prompt_logprobs(chunk):
+    """With top_logprobs, every prompt position from logprob_start_len has its top pairs: the
+    fake model's next token first (logit 10), then the rest (all equal)."""
+    from fake_runner import reference_next
+
+    rng = random.Random(5)
+    s = make(page_size=4, chunked_prefill_size=chunk, max_batched_tokens=64)
+    p = prompt(rng, 14)
+    r = req("top", p, 1, logprob_start_len=3, top_logprobs=2)
+    s.add_request(r)
+    run(s)
+    tops = r.prompt_top_logprobs
+    assert tops is not None and len(tops) == len(r.prompt_logprobs) == len(p) - 3
+    for i, (lp, top) in enumerate(zip(r.prompt_logprobs, tops)):
+        pos = 3 + i
+        assert len(top) == 2 and top[0][1] >= top[1][1]
+        assert top[0][0] == reference_next(p[:pos])
+        assert top[0][1] == pytest.approx(max(lp, top[0][1]), abs=1e-5)
+        if p[pos] == top[0][0]:
+            assert lp == pytest.approx(top[0][1], abs=1e-5)
+    assert req("off", p, 1, logprob_start_len=3).prompt_top_logprobs is None

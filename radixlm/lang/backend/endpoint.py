@@ -146,6 +146,7 @@ class RuntimeEndpoint(BaseBackend):
             "n": p.n,
             "stop": p.stop_list or None,
             "stop_token_ids": list(p.stop_token_ids or ()) or None,
+            "stop_regex": list(p.stop_regex or ()) or None,
             "temperature": float(p.temperature or 0.0),
             "top_p": float(p.top_p if p.top_p is not None else 1.0),
             "top_k": p.top_k,

@@ -16,7 +16,7 @@ from radixlm.lang.backend.base import BaseBackend, Meta, check_scores
 from radixlm.lang.chat_template import ChatTemplate
 from radixlm.lang.ir import GenParams
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.outputs import GenerateResult
+from radixlm.runtime.outputs import GenerateResult, sglang_finish_reason
 from radixlm.runtime.sampling_params import SamplingParams
 
 _IGNORED = ("log_level", "tokenizer_path", "trust_remote_code", "skip_tokenizer_init")
@@ -50,6 +50,7 @@ def sampling_params(p: GenParams, **override: Any) -> SamplingParams:
         n=p.n,
         stop=p.stop_list,
         stop_token_ids=p.stop_token_ids or (),
+        stop_regex=p.stop_regex or (),
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
@@ -65,17 +66,6 @@ def sampling_params(p: GenParams, **override: Any) -> SamplingParams:
         kw["constraint"] = constraint  # SamplingParams converts it with Constraint.from_params
     kw.update(override)
     return SamplingParams(**kw)
-
-
-def finish_reason(reason: str | None, stop_reason: Any, length: int) -> dict[str, Any] | None:
-    """SGLang's `meta_info.finish_reason` dict."""
-    if reason is None:
-        return None
-    if reason == "length":
-        return {"type": "length", "length": length}
-    if reason == "stop":
-        return {"type": "stop", "matched": stop_reason}
-    return {"type": reason}
 
 
 class Runtime(BaseBackend):
@@ -115,7 +105,9 @@ class Runtime(BaseBackend):
                 "prompt_tokens": delta.prompt_tokens,
                 "cached_tokens": delta.cached_tokens,
                 "completion_tokens": tokens,
-                "finish_reason": finish_reason(delta.finish_reason, delta.stop_reason, tokens),
+                "finish_reason": sglang_finish_reason(
+                    delta.finish_reason, delta.stop_reason, tokens
+                ),
             }
             yield delta.text, meta
 
@@ -171,7 +163,7 @@ class Runtime(BaseBackend):
             "prompt_tokens": res.usage.prompt_tokens,
             "completion_tokens": res.usage.completion_tokens,
             "cached_tokens": res.usage.cached_tokens,
-            "finish_reason": finish_reason(
+            "finish_reason": sglang_finish_reason(
                 first.finish_reason, first.stop_reason, len(first.output_token_ids)
             ),
         }
