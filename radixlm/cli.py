@@ -152,6 +152,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"most prompts in one batched request (default: {d.max_batch_prompts})",
     )
     group.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data parallel: this many engine replicas behind the smg router on --port "
+        "(default: 1, no router)",
+    )
+    group.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        help="the router's policy with --dp-size > 1: cache_aware | round_robin | random | "
+        "power_of_two | least_load (default: cache_aware)",
+    )
+    group.add_argument(
         "--log-level",
         default=d.log_level,
         choices=["debug", "info", "warning", "error", "critical"],
@@ -174,6 +187,11 @@ def server_config(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.dp_size > 1:
+        from radixlm.server.data_parallel import DataParallelConfig, serve_data_parallel
+
+        dp = DataParallelConfig(dp_size=args.dp_size, policy=args.router_policy)
+        return serve_data_parallel(engine_kwargs(args), server_config(args), dp)
     from radixlm.server.launch import serve
 
     serve(engine_kwargs(args), server_config(args))

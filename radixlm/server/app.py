@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.engine import Engine
-from radixlm.server import native_api, openai_api
+from radixlm.server import native_api, openai_api, router_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfig
@@ -72,6 +72,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(router_api.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -188,7 +188,9 @@ class GenerateReqInput(_Strict):
     logprob_start_len: int = -1
     top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     return_text_in_logprobs: bool = False
-    # Accepted for compatibility with SGLang clients; they change nothing here.
+    # Accepted for compatibility with SGLang clients; they change nothing here. `model` is
+    # what a router (smg / sglang-router) adds to every request it forwards.
+    model: str | None = None
     modalities: list[str] | None = None
     lora_path: None = None
     custom_logit_processor: None = None
