@@ -120,7 +120,9 @@ def replica_argv(engine_kwargs: dict[str, Any], config: ServerConfig, port: int)
     return argv + engine_flags(engine_kwargs)
 
 
-def router_argv(config: ServerConfig, dp: DataParallelConfig, worker_urls: Sequence[str]) -> list[str]:
+def router_argv(
+    config: ServerConfig, dp: DataParallelConfig, worker_urls: Sequence[str]
+) -> list[str]:
     log_level = {"warning": "warn", "critical": "error"}.get(config.log_level, config.log_level)
     argv = [*router_command(), "launch", "--host", config.host, "--port", str(config.port)]
     argv += ["--worker-urls", *worker_urls, "--policy", dp.policy]
@@ -190,9 +192,7 @@ class DataParallelServer:
         for k, url in enumerate(self.worker_urls):
             port = int(url.rsplit(":", 1)[1])
             self._spawn(f"replica {k} ({url})", replica_argv(self.engine_kwargs, self.config, port))
-        self._wait_until(
-            "replicas", lambda: all(_healthy(u) for u in self.worker_urls), timeout
-        )
+        self._wait_until("replicas", lambda: all(_healthy(u) for u in self.worker_urls), timeout)
         self._spawn("router", router_argv(self.config, self.dp, self.worker_urls))
         router_url = f"http://{_connect_host(self.config.host)}:{self.config.port}"
         self._wait_until("router", lambda: self._router_ready(router_url), timeout)
