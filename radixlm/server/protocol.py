@@ -188,9 +188,15 @@ class GenerateReqInput(_Strict):
     logprob_start_len: int = -1
     top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     return_text_in_logprobs: bool = False
-    # Accepted for compatibility with SGLang clients; they change nothing here. `model` is
-    # what a router (smg / sglang-router) adds to every request it forwards.
+    # Accepted for compatibility with SGLang clients; they change nothing here. A router (smg)
+    # forwards SGLang's full request shape: `model` and the flags below always, at defaults.
     model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: Literal[False] = False
+    return_entropy: Literal[False] = False
+    return_bytes: Literal[False] = False
+    background: Literal[False] = False
     modalities: list[str] | None = None
     lora_path: None = None
     custom_logit_processor: None = None
