@@ -212,7 +212,8 @@ def test_cache_aware_keeps_prefixes_on_one_replica(
     single, single_cached = _run_workload(urls[0], urls)
 
     print(
-        f"hit rate: one replica {single:.3f}, cache_aware {aware:.3f}, round_robin {round_robin:.3f}"
+        f"hit rate: one replica {single:.3f}, cache_aware {aware:.3f}, "
+        f"round_robin {round_robin:.3f}"
     )
     # Every prefix computed once: after its first request, a conversation hits the whole
     # system prompt, exactly as on one replica.
