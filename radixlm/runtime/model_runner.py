@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from radixlm.config import CacheConfig
 from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.runtime.models.llama import MODEL_REGISTRY
+
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,10 @@ class ModelRunner:
         cache_config: CacheConfig,
         attention_backend: str = "auto",
         max_model_len: int | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
+        rank's shard (`radixlm.runtime.distributed.sharding`)."""
         from transformers import AutoConfig
 
         from radixlm.runtime.models.loader import iter_safetensors
@@ -63,12 +70,24 @@ class ModelRunner:
         self.max_model_len = min(
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
         )
+        self.tp = tp
+        weights = iter_safetensors(model_dir)
+        model_config = hf_config
+        if tp is not None and tp.world_size > 1:
+            from radixlm.runtime.distributed import sharding
+
+            spec = sharding.shard_spec(hf_config, tp.world_size, tp.rank)
+            model_config = sharding.shard_config(hf_config, spec)
+            weights = sharding.shard_weights(weights, spec)
+        self.model_config = model_config  # this rank's shapes (== hf_config without TP)
         with torch.device("meta"):
-            model = MODEL_REGISTRY[arch](hf_config, max_positions=self.max_model_len)
+            model = MODEL_REGISTRY[arch](model_config, max_positions=self.max_model_len)
+            if model_config is not hf_config:
+                sharding.parallelize(model, tp)
         model.to_empty(device=device)
         model.to(self.dtype)
         model.tie_weights()
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(weights)
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()
@@ -77,11 +96,14 @@ class ModelRunner:
 
         self.page_size = cache_config.page_size
         self.num_pages = self._num_pages(cache_config)
+        if tp is not None and tp.world_size > 1:
+            # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
+            self.num_pages = tp.min_over_ranks(self.num_pages)
         self.kv_cache = KVCache.allocate(
             hf_config.num_hidden_layers,
             self.num_pages,
             self.page_size,
-            hf_config.num_key_value_heads,
+            model_config.num_key_value_heads,
             model.head_dim,
             self.dtype,
             device,
@@ -101,7 +123,7 @@ class ModelRunner:
         )
 
     def _num_pages(self, cc: CacheConfig) -> int:
-        cfg = self.hf_config
+        cfg = self.model_config
         per_page = KVCache.bytes_per_page(
             cfg.num_hidden_layers,
             cc.page_size,
