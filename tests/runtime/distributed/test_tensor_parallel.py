@@ -103,14 +103,14 @@ def _generate(model_dir: Path, tp_size: int, **kw: object) -> tuple[list[list[in
     system = list(range(100, 121))  # 21 tokens: 5 full pages shared by the first two prompts
     prompts = [system + [7, 8, 9], system + [10, 11], list(range(300, 340)), [5, 6, 7]]
     with Engine(model=str(model_dir), tp_size=tp_size, **{**ENGINE_KW, **kw}) as engine:
-        out = [engine.generate(p, greedy).outputs[0].token_ids for p in prompts]
+        out = [engine.generate(p, greedy).outputs[0].output_token_ids for p in prompts]
         # A fork: n=2 shares full pages and copies the partial one (replayed on every rank).
         forked = engine.generate(system + [1], SamplingParams(n=2, max_new_tokens=6,
                                                               temperature=0.0, ignore_eos=True))
-        out += [o.token_ids for o in forked.outputs]
+        out += [o.output_token_ids for o in forked.outputs]
         # Concurrent requests in a small pool: admission waits and retraction.
         batch = engine.generate([list(range(400 + 9 * i, 420 + 9 * i)) for i in range(6)], greedy)
-        out += [r.outputs[0].token_ids for r in batch]
+        out += [r.outputs[0].output_token_ids for r in batch]
         stats = engine.stats()
         engine.check_integrity()
     return out, stats
@@ -124,7 +124,7 @@ def test_tp2_greedy_matches_tp1(fixture: str, request: pytest.FixtureRequest) ->
     got, stats = _generate(model_dir, 2, **small)
     assert got == ref
     assert stats.cache_hit_tokens > 0 and stats.cache_hit_tokens == ref_stats.cache_hit_tokens
-    assert stats.num_retractions == ref_stats.num_retractions
+    assert stats.num_retractions == ref_stats.num_retractions > 0
 
 
 def test_tp2_logits_match_tp1(tiny_llama_dir: Path) -> None:
