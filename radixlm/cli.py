@@ -38,6 +38,11 @@ _HELP = {
     "schedule_policy": "lpm | fcfs",
     "aging_tokens_per_second": "LPM aging: waited seconds worth this many matched tokens",
     "max_model_len": "context length cap (default: the model's)",
+    "tp_size": "tensor parallel ranks (gloo on CPU, NCCL on CUDA)",
+    "nnodes": "nodes the tensor parallel ranks span",
+    "node_rank": "this node's index; nodes > 0 run workers only, no server",
+    "dist_init_addr": "host:port of rank 0's rendezvous (default: $MASTER_ADDR:$MASTER_PORT, "
+    "else a free loopback port)",
 }
 
 
@@ -187,6 +192,10 @@ def server_config(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:
+        from radixlm.runtime.distributed.tp_runner import run_worker_node
+
+        return run_worker_node(engine_kwargs(args))
     if args.dp_size > 1:
         from radixlm.server.data_parallel import DataParallelConfig, serve_data_parallel
 

@@ -111,7 +111,7 @@ class Engine:
             cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr
         )
         if cfg.node_rank != 0:
-            raise ValueError("node_rank > 0 runs workers only: `radixlm tp-worker`")
+            raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
         return TensorParallelRunner(
             *args, cfg.scheduler.max_model_len, dist, num_threads=cfg.num_threads
         )

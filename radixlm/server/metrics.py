@@ -9,7 +9,8 @@ Kubernetes routing (Gateway API Inference Extension's endpoint picker, as used b
 KServe) scrapes three gauges of its model-server protocol: TotalQueuedRequests,
 TotalRunningRequests and KVCacheUtilization. The protocol lets a server pick the names; the
 picker's defaults are vLLM's, so radixlm also exports them under those names
-(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, plus
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` and its
+older name `vllm:gpu_cache_usage_perc`, plus
 `vllm:cache_config_info{block_size, num_gpu_blocks}` for prefix-aware scorers) and the picker
 needs no flags. The same values are in `radixlm_num_requests_waiting`,
 `radixlm_num_requests_running` and `radixlm_kv_cache_usage_perc` (deploy/README.md says how to
@@ -102,11 +103,10 @@ def inference_gateway_metrics(s: EngineStats, usage: float) -> Iterator[Metric]:
         "TotalRunningRequests: requests being computed",
         value=s.num_running,
     )
-    yield GaugeMetricFamily(
-        f"{GATEWAY_PREFIX}kv_cache_usage_perc",
-        "KVCacheUtilization: KV cache usage (1 = full)",
-        value=usage,
-    )
+    for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):  # current and older pickers
+        yield GaugeMetricFamily(
+            f"{GATEWAY_PREFIX}{name}", "KVCacheUtilization: KV cache usage (1 = full)", value=usage
+        )
     info = GaugeMetricFamily(
         f"{GATEWAY_PREFIX}cache_config_info",
         "KV cache geometry: tokens per block and number of blocks",

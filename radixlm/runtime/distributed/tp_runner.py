@@ -245,6 +245,12 @@ class TensorParallelRunner:
             dist_config,
             num_threads,
         )
+        from transformers import AutoConfig
+
+        from radixlm.runtime.distributed.sharding import shard_spec
+
+        # Refuse an impossible split before starting any process.
+        shard_spec(AutoConfig.from_pretrained(model_dir, local_files_only=True), self.tp_size, 0)
         ctx = mp.get_context("spawn")
         self.workers: list[Any] = []
         for rank in dist_config.local_ranks:
@@ -259,6 +265,7 @@ class TensorParallelRunner:
             self.local = _build_runner(args, self.group)
         except Exception:
             self._kill_workers()
+            destroy_tensor_parallel()
             raise
         self.kv_cache = _BroadcastKVCache(self)
         self._watchdog = threading.Thread(target=self._watch, name="radixlm-tp-watch", daemon=True)
@@ -348,3 +355,42 @@ class TensorParallelRunner:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def run_worker_node(engine_kwargs: dict[str, Any]) -> int:
+    """Node `node_rank > 0` of a multi-node group: run this node's ranks (no scheduler, no
+    server) until rank 0 shuts them down; the exit status is 1 if any rank failed."""
+    from radixlm.config import EngineConfig
+    from radixlm.runtime.model_runner import pick_device
+    from radixlm.runtime.models.loader import resolve_model_path
+
+    cfg = EngineConfig.from_kwargs(**engine_kwargs)
+    dist_config = DistributedConfig.from_env(
+        cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr
+    )
+    args = WorkerArgs(
+        resolve_model_path(cfg.model),
+        cfg.dtype,
+        str(pick_device(cfg.device)),
+        cfg.cache,
+        cfg.attention_backend,
+        cfg.scheduler.max_model_len,
+        dist_config,
+        cfg.num_threads,
+    )
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=worker_main, args=(rank, args), name=f"radixlm-tp{rank}")
+        for rank in dist_config.local_ranks
+    ]
+    for p in procs:
+        p.start()
+    logger.info(
+        "node %d: ranks %s joined %s",
+        cfg.node_rank,
+        list(dist_config.local_ranks),
+        dist_config.init_method,
+    )
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1

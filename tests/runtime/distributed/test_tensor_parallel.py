@@ -105,8 +105,9 @@ def _generate(model_dir: Path, tp_size: int, **kw: object) -> tuple[list[list[in
     with Engine(model=str(model_dir), tp_size=tp_size, **{**ENGINE_KW, **kw}) as engine:
         out = [engine.generate(p, greedy).outputs[0].output_token_ids for p in prompts]
         # A fork: n=2 shares full pages and copies the partial one (replayed on every rank).
-        forked = engine.generate(system + [1], SamplingParams(n=2, max_new_tokens=6,
-                                                              temperature=0.0, ignore_eos=True))
+        forked = engine.generate(
+            system + [1], SamplingParams(n=2, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+        )
         out += [o.output_token_ids for o in forked.outputs]
         # Concurrent requests in a small pool: admission waits and retraction.
         batch = engine.generate([list(range(400 + 9 * i, 420 + 9 * i)) for i in range(6)], greedy)
@@ -164,3 +165,20 @@ def test_killed_worker_fails_cleanly(tiny_llama_dir: Path) -> None:
         assert "rank 1" in (engine.runner.failed or "")
         with pytest.raises(TensorParallelError):
             engine.runner.forward(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_real_model_tp3_matches_tp1(default_model_dir: Path) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads: TP=2 is refused, TP=3 splits both) in float32."""
+    from radixlm import Engine, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    kw = dict(dtype="float32", num_threads=1, num_pages=64)
+    outs = {}
+    for tp in (1, 3):
+        with Engine(model=str(default_model_dir), tp_size=tp, **kw) as engine:
+            outs[tp] = [r.outputs[0].output_token_ids for r in engine.generate(prompts, greedy)]
+    assert outs[3] == outs[1]
+    with pytest.raises(ValueError, match="attention heads"):
+        Engine(model=str(default_model_dir), tp_size=2, **kw)
