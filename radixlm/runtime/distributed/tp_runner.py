@@ -137,6 +137,17 @@ class WorkerArgs:
     num_threads: int | None
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this rank if the process that started it dies (no orphaned ranks)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _build_runner(args: WorkerArgs, group: TensorParallelGroup) -> Any:
     from radixlm.runtime.model_runner import ModelRunner
 
@@ -162,6 +173,7 @@ def worker_main(rank: int, args: WorkerArgs) -> None:
     """Entry of rank `rank` (> 0): build the shard, then run every broadcast step until
     shutdown. Any error is logged and ends the process with status 1 (the peers then fail)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
+    _die_with_parent()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = _worker_device(args, rank)

@@ -182,3 +182,25 @@ def test_real_model_tp3_matches_tp1(default_model_dir: Path) -> None:
     assert outs[3] == outs[1]
     with pytest.raises(ValueError, match="attention heads"):
         Engine(model=str(default_model_dir), tp_size=2, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_nccl_single_rank_matches_model_runner(tiny_llama_dir: Path) -> None:
+    """The NCCL path (process groups, step encoding, row-parallel layers) with one rank."""
+    from radixlm.config import CacheConfig
+    from radixlm.kernels.forward_batch import ForwardBatch
+    from radixlm.runtime.distributed.parallel_state import DistributedConfig
+    from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
+    from radixlm.runtime.model_runner import ModelRunner
+
+    device = torch.device("cuda")
+    args = (tiny_llama_dir, "float32", device, CacheConfig(page_size=4, num_pages=16), "auto", None)
+    batch = ForwardBatch.build([[1, 2, 3, 4, 5]], [0], [[0, 1]], [[4]], 4, device)
+    ref = ModelRunner(*args).forward(batch)
+    tp = TensorParallelRunner(*args, DistributedConfig.from_env(1))
+    try:
+        assert tp.group.device_group is not None
+        torch.testing.assert_close(tp.forward(batch), ref)
+    finally:
+        tp.shutdown()
