@@ -1,6 +1,6 @@
 """Scale-out: data parallel behind the smg router, and the tensor-parallel step overhead.
 
-    .venv/bin/python benchmarks/bench_scale_out.py [--model DIR] [--conversations 6] [--turns 4]
+    .venv/bin/python benchmarks/bench_scale_out.py [--model DIR] [--conversations 5] [--turns 4]
         [--concurrency 4] [--max-tokens 8] [--tp-steps 20] [--skip-dp] [--skip-tp]
         [--out benchmarks/results/scale_out.json]
 
@@ -113,9 +113,14 @@ async def workload(url: str, args: argparse.Namespace) -> dict[str, Any]:
             usage.append(r.json()["usage"])
 
         start_t = time.perf_counter()
-        # Turns in order: a conversation's next question comes after its previous answer.
+        rng = random.Random(1)
+        # Turns in order (a conversation's next question comes after its previous answer); the
+        # conversations of one turn arrive in a shuffled order, so that round-robin does not pin
+        # a conversation to a replica by accident.
         for turn in range(args.turns):
-            await asyncio.gather(*(one(c, t) for c, t in jobs if t == turn))
+            order = [c for c, t in jobs if t == turn]
+            rng.shuffle(order)
+            await asyncio.gather(*(one(c, turn) for c in order))
         wall = time.perf_counter() - start_t
     prompt = sum(u["prompt_tokens"] for u in usage)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
@@ -220,16 +225,18 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--conversations", type=int, default=6)
+    p.add_argument("--conversations", type=int, default=5)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--tp-steps", type=int, default=20)
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--skip-tp", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scale_out.json"))
+    p.add_argument("--out", default=None, help="default: benchmarks/results/scale_out[_dp|_tp].json")
     args = p.parse_args()
     args.model = args.model or str(resolve_model_path(None))
+    suffix = "_tp" if args.skip_dp else "_dp" if args.skip_tp else ""
+    args.out = args.out or str(ROOT / f"benchmarks/results/scale_out{suffix}.json")
     results: dict[str, Any] = {"args": vars(args)}
     if not args.skip_dp:
         results["dp"] = bench_dp(args)

@@ -164,6 +164,8 @@ class DataParallelServer:
         self.worker_urls = [f"http://127.0.0.1:{p}" for p in ports]
         self.children: list[Child] = []
         self._env = dict(os.environ)
+        # Each replica's tensor-parallel group (if any) needs its own rendezvous port.
+        self._env.pop("MASTER_PORT", None)
         if config.api_key:
             self._env["RADIXLM_API_KEY"] = config.api_key
 
