@@ -232,7 +232,7 @@ def main() -> None:
     p.add_argument("--tp-steps", type=int, default=20)
     p.add_argument("--skip-dp", action="store_true")
     p.add_argument("--skip-tp", action="store_true")
-    p.add_argument("--out", default=None, help="default: benchmarks/results/scale_out[_dp|_tp].json")
+    p.add_argument("--out", default=None, help="default: results/scale_out*.json")
     args = p.parse_args()
     args.model = args.model or str(resolve_model_path(None))
     suffix = "_tp" if args.skip_dp else "_dp" if args.skip_tp else ""
