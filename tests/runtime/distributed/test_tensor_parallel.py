@@ -117,9 +117,8 @@ def _generate(model_dir: Path, tp_size: int, **kw: object) -> tuple[list[list[in
     return out, stats
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "mqa_dir"])
-def test_tp2_greedy_matches_tp1(fixture: str, request: pytest.FixtureRequest) -> None:
-    model_dir = request.getfixturevalue(fixture)
+def test_tp2_greedy_matches_tp1(tiny_llama_dir: Path) -> None:
+    model_dir = tiny_llama_dir
     small = dict(num_pages=40)  # 160 slots: six 20-token prompts + 12 new tokens each retract
     ref, ref_stats = _generate(model_dir, 1, **small)
     got, stats = _generate(model_dir, 2, **small)
@@ -128,7 +127,10 @@ def test_tp2_greedy_matches_tp1(fixture: str, request: pytest.FixtureRequest) ->
     assert stats.num_retractions == ref_stats.num_retractions > 0
 
 
-def test_tp2_logits_match_tp1(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "mqa_dir"])
+def test_tp2_logits_match_tp1(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Split KV heads (2 over 2 ranks) and replicated ones (1 KV head on both ranks)."""
+    model_dir = request.getfixturevalue(fixture)
     from radixlm.config import CacheConfig
     from radixlm.kernels.forward_batch import ForwardBatch
     from radixlm.runtime.distributed.parallel_state import DistributedConfig
@@ -136,18 +138,21 @@ def test_tp2_logits_match_tp1(tiny_llama_dir: Path) -> None:
     from radixlm.runtime.model_runner import ModelRunner
 
     cache = CacheConfig(page_size=4, num_pages=16)
-    args = (tiny_llama_dir, "float32", torch.device("cpu"), cache, "torch", None)
-    batch = ForwardBatch.build(
+    args = (model_dir, "float32", torch.device("cpu"), cache, "torch", None)
+    prefill = ForwardBatch.build(
         [[1, 2, 3, 4, 5, 6], [9, 8, 7]], [0, 0], [[0, 1], [2]], [[5], [0, 1, 2]], 4, "cpu"
     )
-    ref = ModelRunner(*args).forward(batch)
+    decode = ForwardBatch.build([[11], [12]], [6, 3], [[0, 1], [2]], [[0], [0]], 4, "cpu")
+    one = ModelRunner(*args)
+    ref = [one.forward(prefill), one.forward(decode)]
     tp = TensorParallelRunner(*args, DistributedConfig.from_env(2), num_threads=1)
     try:
-        got = tp.forward(batch)
-        assert tp.kv_cache.k_buffers[0].shape == (16 * 4, 1, 16)  # one of two KV heads
+        got = [tp.forward(prefill), tp.forward(decode)]  # the decode reads the sharded KV pages
+        assert tp.kv_cache.k_buffers[0].shape == (16 * 4, 1, 16)  # one KV head per rank
     finally:
         tp.shutdown()
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
 def test_killed_worker_fails_cleanly(tiny_llama_dir: Path) -> None:
