@@ -23,6 +23,8 @@ import torch
 
 from radixlm.config import EngineConfig
 from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.executor import Executor
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
@@ -78,10 +80,9 @@ class Engine:
             self.runner.vocab_size,
             self.max_model_len,
             self.device,
-            seed=cfg.seed,
         )
+        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
         self.scheduler = Scheduler(
-            self.runner,
             self.pool,
             self.cache,
             cfg.scheduler,
@@ -89,6 +90,7 @@ class Engine:
             self.max_model_len,
             debug_integrity=cfg.debug_integrity,
         )
+        self.core = EngineCore(self.scheduler, self.executor, self.processor)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._grammar: GrammarManager | None = None
@@ -103,7 +105,7 @@ class Engine:
         cfg = self.config
         args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
         if cfg.tp_size == 1:
-            return ModelRunner(*args, cfg.scheduler.max_model_len)
+            return ModelRunner(*args, cfg.scheduler.max_model_len, model_info=self.model_info)
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
 
@@ -165,7 +167,9 @@ class Engine:
                         f"grammar backend {cfg.grammar_backend!r} is not installed "
                         f"(pip install 'radixlm[grammar]'): {exc}"
                     ) from None
-                self.processor.set_grammar(GrammarStep(mgr, self.device))
+                step = GrammarStep(mgr, self.device)
+                self.processor.set_grammar(step)
+                self.executor.set_grammar(step)
                 self._grammar = mgr
             return self._grammar
 
@@ -402,7 +406,7 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            self.scheduler.step()
+            self.core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("engine step failed; failing the affected requests")
             self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixlm.config import CacheConfig
-from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.models.llama import MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
+    from radixlm.runtime.models.loader import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +51,18 @@ class ModelRunner:
         cache_config: CacheConfig,
         attention_backend: str = "auto",
         max_model_len: int | None = None,
+        model_info: ModelInfo | None = None,
         tp: TensorParallelGroup | None = None,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`)."""
-        from transformers import AutoConfig
-
-        from radixlm.runtime.models.loader import iter_safetensors
+        from radixlm.runtime.models.loader import iter_safetensors, load_model_info
 
         self.device = device
         self.dtype = DTYPES[dtype]
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        info = model_info or load_model_info(model_dir)
+        hf_config = info.hf_config
+        arch = info.architecture
         if arch not in MODEL_REGISTRY:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}"
