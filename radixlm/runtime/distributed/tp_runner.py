@@ -320,6 +320,11 @@ class TensorParallelRunner:
     # ---- failure and shutdown ------------------------------------------------------------------
 
     def _fail(self, reason: str) -> TensorParallelError:
+        from multiprocessing.connection import wait
+
+        # A peer's sockets close a moment before its process is reaped: give it a second.
+        if self.workers and all(p.is_alive() for p in self.workers):
+            wait([p.sentinel for p in self.workers], timeout=1.0)
         dead = [f"rank {r} (exit {p.exitcode})" for r, p in self._ranked() if not p.is_alive()]
         message = f"tensor parallel group broken: {', '.join(dead) or reason}"
         first = False

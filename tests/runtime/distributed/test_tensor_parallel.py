@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _write_tiny_model
 
 from radixlm.runtime.distributed.sharding import (
     ShardSpec,
@@ -34,15 +33,6 @@ ENGINE_KW = dict(
     max_batched_tokens=24,
     chunked_prefill_size=8,
 )
-
-
-@pytest.fixture(scope="module")
-def mqa_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """Tiny Llama with one KV head (multi-query attention): TP=2 replicates it."""
-    out = tmp_path_factory.mktemp("tiny_mqa")
-    return _write_tiny_model(
-        out, default_model_dir, "llama", seed=1, num_key_value_heads=1, tie_word_embeddings=False
-    )
 
 
 def test_shard_spec_split_and_replicated() -> None:
@@ -127,7 +117,7 @@ def test_tp2_greedy_matches_tp1(tiny_llama_dir: Path) -> None:
     assert stats.num_retractions == ref_stats.num_retractions > 0
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "mqa_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_mqa_dir"])
 def test_tp2_logits_match_tp1(fixture: str, request: pytest.FixtureRequest) -> None:
     """Split KV heads (2 over 2 ranks) and replicated ones (1 KV head on both ranks)."""
     model_dir = request.getfixturevalue(fixture)
@@ -156,18 +146,27 @@ def test_tp2_logits_match_tp1(fixture: str, request: pytest.FixtureRequest) -> N
 
 
 def test_killed_worker_fails_cleanly(tiny_llama_dir: Path) -> None:
+    """Rank 1 killed while a request is decoding: that request ends with an error naming the
+    rank (no hang), and later ones fail at once."""
     from radixlm import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    long = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
     with Engine(model=str(tiny_llama_dir), tp_size=2, **ENGINE_KW) as engine:
         assert not engine.generate([1, 2, 3], params).error
+        stream = engine.stream([4, 5, 6], long)
+        first = next(stream)
         engine.runner.workers[0].kill()
-        engine.runner.workers[0].join()
         start = time.monotonic()
-        result = engine.generate([4, 5, 6], params)
+        deltas = [first, *stream]
         assert time.monotonic() - start < 60
-        assert result.error and "rank 1" in result.error, result.error
+        assert sum(len(d.token_ids) for d in deltas) < 400
+        assert deltas[-1].error and "rank 1" in deltas[-1].error, deltas[-1].error
         assert "rank 1" in (engine.runner.failed or "")
+        start = time.monotonic()
+        result = engine.generate([7, 8, 9], params)
+        assert result.error and "rank 1" in result.error
+        assert time.monotonic() - start < 5
         with pytest.raises(TensorParallelError):
             engine.runner.forward(None)  # type: ignore[arg-type]
 
