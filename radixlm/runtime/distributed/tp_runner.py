@@ -322,10 +322,15 @@ class TensorParallelRunner:
     def _fail(self, reason: str) -> TensorParallelError:
         from multiprocessing.connection import wait
 
-        # A peer's sockets close a moment before its process is reaped: give it a second.
-        if self.workers and all(p.is_alive() for p in self.workers):
-            wait([p.sentinel for p in self.workers], timeout=1.0)
-        dead = [f"rank {r} (exit {p.exitcode})" for r, p in self._ranked() if not p.is_alive()]
+        # A peer's sockets close a moment before its process has exited: give it 2 s. A closed
+        # sentinel means the process is gone even before it is reaped (exit code still None).
+        ranked = self._ranked()
+        gone = set(wait([p.sentinel for _, p in ranked], timeout=2.0)) if ranked else set()
+        dead = [
+            f"rank {r} (exit {p.exitcode})" if p.exitcode is not None else f"rank {r} (exited)"
+            for r, p in ranked
+            if p.sentinel in gone
+        ]
         message = f"tensor parallel group broken: {', '.join(dead) or reason}"
         first = False
         with self._fail_lock:
