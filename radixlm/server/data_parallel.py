@@ -117,6 +117,8 @@ def replica_argv(engine_kwargs: dict[str, Any], config: ServerConfig, port: int)
     argv += ["--log-level", config.log_level]
     if config.served_model_name:
         argv += ["--served-model-name", config.served_model_name]
+    if config.dashboard_show_text:
+        argv.append("--dashboard-show-text")
     return argv + engine_flags(engine_kwargs)
 
 
