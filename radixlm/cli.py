@@ -38,6 +38,11 @@ _HELP = {
     "schedule_policy": "lpm | fcfs",
     "aging_tokens_per_second": "LPM aging: waited seconds worth this many matched tokens",
     "max_model_len": "context length cap (default: the model's)",
+    "tp_size": "tensor parallel ranks (gloo on CPU, NCCL on CUDA)",
+    "nnodes": "nodes the tensor parallel ranks span",
+    "node_rank": "this node's index; nodes > 0 run workers only, no server",
+    "dist_init_addr": "host:port of rank 0's rendezvous (default: $MASTER_ADDR:$MASTER_PORT, "
+    "else a free loopback port)",
 }
 
 
@@ -152,6 +157,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"most prompts in one batched request (default: {d.max_batch_prompts})",
     )
     group.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="data parallel: this many engine replicas behind the smg router on --port "
+        "(default: 1, no router)",
+    )
+    group.add_argument(
+        "--router-policy",
+        default="cache_aware",
+        help="the router's policy with --dp-size > 1: cache_aware | round_robin | random | "
+        "power_of_two | least_load (default: cache_aware)",
+    )
+    group.add_argument(
         "--dashboard-show-text",
         action="store_true",
         help="let /dashboard show the text of cached prefixes (default: token counts and "
@@ -181,6 +199,15 @@ def server_config(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.node_rank > 0:
+        from radixlm.runtime.distributed.tp_runner import run_worker_node
+
+        return run_worker_node(engine_kwargs(args))
+    if args.dp_size > 1:
+        from radixlm.server.data_parallel import DataParallelConfig, serve_data_parallel
+
+        dp = DataParallelConfig(dp_size=args.dp_size, policy=args.router_policy)
+        return serve_data_parallel(engine_kwargs(args), server_config(args), dp)
     from radixlm.server.launch import serve
 
     serve(engine_kwargs(args), server_config(args))

@@ -73,6 +73,10 @@ class EngineConfig:
     grammar_backend: str = "xgrammar"  # constrained decoding: "xgrammar" | "outlines"
     enable_jump_forward: bool = True  # append grammar-forced tokens without sampling them
     grammar_timeout_s: float = 30.0  # a grammar compiling longer fails its request
+    tp_size: int = 1  # tensor parallel ranks (radixlm.runtime.distributed)
+    nnodes: int = 1  # nodes the tp ranks span
+    node_rank: int = 0  # this node's index (0 runs the scheduler)
+    dist_init_addr: str | None = None  # "host:port" of rank 0; default MASTER_ADDR/MASTER_PORT
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -83,6 +87,8 @@ class EngineConfig:
         # here would pull in torch).
         if not self.grammar_timeout_s > 0:
             raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

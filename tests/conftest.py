@@ -84,6 +84,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 @pytest.fixture(scope="session")
+def tiny_mqa_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """Tiny Llama with one KV head (multi-query attention) and an untied lm_head."""
+    out = tmp_path_factory.mktemp("tiny_mqa")
+    return _write_tiny_model(
+        out, default_model_dir, "llama", seed=1, num_key_value_heads=1, tie_word_embeddings=False
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """Tiny Qwen2ForCausalLM: q/k/v biases (no o_proj bias), untied lm_head, same tokenizer."""
     out = tmp_path_factory.mktemp("tiny_qwen2")

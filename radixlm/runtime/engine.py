@@ -67,15 +67,7 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_info = load_model_info(self.model_dir)
         self.device = pick_device(cfg.device)
-        self.runner = ModelRunner(
-            self.model_dir,
-            cfg.dtype,
-            self.device,
-            cfg.cache,
-            cfg.attention_backend,
-            cfg.scheduler.max_model_len,
-            model_info=self.model_info,
-        )
+        self.runner = self._make_runner()
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
         self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
@@ -107,6 +99,29 @@ class Engine:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
         self._thread.start()
+
+    def _make_runner(self) -> Any:
+        """A `ModelRunner`, or with `tp_size > 1` rank 0's `TensorParallelRunner` (which
+        starts the other ranks and runs every forward on all of them)."""
+        cfg = self.config
+        args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
+        if cfg.tp_size == 1:
+            return ModelRunner(*args, cfg.scheduler.max_model_len, model_info=self.model_info)
+        from radixlm.runtime.distributed.parallel_state import DistributedConfig
+        from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
+
+        dist = DistributedConfig.from_env(
+            cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr
+        )
+        if cfg.node_rank != 0:
+            raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
+        return TensorParallelRunner(
+            *args, cfg.scheduler.max_model_len, dist, num_threads=cfg.num_threads
+        )
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tp_size
 
     # ---- submission ---------------------------------------------------------------------------
 
@@ -350,6 +365,8 @@ class Engine:
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout=30)
+        if hasattr(self.runner, "shutdown"):
+            self.runner.shutdown()
         if self._grammar is not None:
             self._grammar.shutdown()
 

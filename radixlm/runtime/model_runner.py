@@ -14,6 +14,7 @@ from radixlm.kernels.registry import create_attention_backend, resolve_backend_n
 from radixlm.runtime.models.llama import MODEL_REGISTRY
 
 if TYPE_CHECKING:
+    from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
     from radixlm.runtime.models.loader import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,10 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_model_len: int | None = None,
         model_info: ModelInfo | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
+        """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
+        rank's shard (`radixlm.runtime.distributed.sharding`)."""
         from radixlm.runtime.models.loader import iter_safetensors, load_model_info
 
         self.device = device
@@ -67,12 +71,24 @@ class ModelRunner:
         self.max_model_len = min(
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
         )
+        self.tp = tp
+        weights = iter_safetensors(model_dir)
+        model_config = hf_config
+        if tp is not None and tp.world_size > 1:
+            from radixlm.runtime.distributed import sharding
+
+            spec = sharding.shard_spec(hf_config, tp.world_size, tp.rank)
+            model_config = sharding.shard_config(hf_config, spec)
+            weights = sharding.shard_weights(weights, spec)
+        self.model_config = model_config  # this rank's shapes (== hf_config without TP)
         with torch.device("meta"):
-            model = MODEL_REGISTRY[arch](hf_config, max_positions=self.max_model_len)
+            model = MODEL_REGISTRY[arch](model_config, max_positions=self.max_model_len)
+            if model_config is not hf_config:
+                sharding.parallelize(model, tp)
         model.to_empty(device=device)
         model.to(self.dtype)
         model.tie_weights()
-        model.load_weights(iter_safetensors(model_dir))
+        model.load_weights(weights)
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()
@@ -81,11 +97,14 @@ class ModelRunner:
 
         self.page_size = cache_config.page_size
         self.num_pages = self._num_pages(cache_config)
+        if tp is not None and tp.world_size > 1:
+            # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
+            self.num_pages = tp.min_over_ranks(self.num_pages)
         self.kv_cache = KVCache.allocate(
             hf_config.num_hidden_layers,
             self.num_pages,
             self.page_size,
-            hf_config.num_key_value_heads,
+            model_config.num_key_value_heads,
             model.head_dim,
             self.dtype,
             device,
@@ -105,7 +124,7 @@ class ModelRunner:
         )
 
     def _num_pages(self, cc: CacheConfig) -> int:
-        cfg = self.hf_config
+        cfg = self.model_config
         per_page = KVCache.bytes_per_page(
             cfg.num_hidden_layers,
             cc.page_size,

@@ -30,6 +30,7 @@ def serve(engine_kwargs: dict[str, Any], config: ServerConfig) -> None:
     configure_logging(config.log_level)
     logger.info("loading engine: %s", engine_kwargs)
     engine = Engine(**engine_kwargs)
+    failures: list[str] = []
     try:
         from radixlm.server.constraints import grammar_backend
 
@@ -45,6 +46,13 @@ def serve(engine_kwargs: dict[str, Any], config: ServerConfig) -> None:
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
         server = uvicorn.Server(uv_config)
+        if getattr(engine.runner, "tp_size", 1) > 1:
+            # A dead tensor-parallel rank breaks every later forward: stop serving, exit 1.
+            def _stop(reason: str) -> None:
+                failures.append(reason)
+                server.should_exit = True
+
+            engine.runner.on_failure = _stop
         logger.info(
             "serving %s (max_model_len %d) on http://%s:%d%s",
             engine.model_dir,
@@ -56,3 +64,6 @@ def serve(engine_kwargs: dict[str, Any], config: ServerConfig) -> None:
         server.run()
     finally:
         engine.shutdown()
+    if failures:
+        logger.error("stopped: %s", failures[0])
+        raise SystemExit(1)

@@ -4,6 +4,17 @@ Two sources: the engine's own counters and gauges (`Engine.stats()`: tokens, cac
 queue lengths), read at scrape time by a custom collector, and latency histograms the server
 times itself from the deltas it receives (time to first token, time per output token,
 end-to-end). Each app gets its own registry, so several servers can live in one process.
+
+Kubernetes routing (Gateway API Inference Extension's endpoint picker, as used by llm-d and
+KServe) scrapes three gauges of its model-server protocol: TotalQueuedRequests,
+TotalRunningRequests and KVCacheUtilization. The protocol lets a server pick the names; the
+picker's defaults are vLLM's, so radixlm also exports them under those names
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc` and its
+older name `vllm:gpu_cache_usage_perc`, plus
+`vllm:cache_config_info{block_size, num_gpu_blocks}` for prefix-aware scorers) and the picker
+needs no flags. The same values are in `radixlm_num_requests_waiting`,
+`radixlm_num_requests_running` and `radixlm_kv_cache_usage_perc` (deploy/README.md says how to
+point the picker at those instead).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from prometheus_client.registry import Collector
 from radixlm.runtime.outputs import EngineStats
 
 PREFIX = "radixlm"
+GATEWAY_PREFIX = "vllm:"  # the Inference Extension endpoint picker's default metric names
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -68,6 +80,44 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        usage = kv_cache_usage(s)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_perc",
+            "KV cache usage: pages held by running requests / all pages (1 = full)",
+            value=usage,
+        )
+        yield from inference_gateway_metrics(s, usage)
+
+
+def kv_cache_usage(s: EngineStats) -> float:
+    """Fraction of KV pages held by running requests. Pages cached in the radix tree with no
+    holder are evictable, so they count as free (vLLM counts its cached free blocks the same)."""
+    return s.kv_pages_used / s.kv_pages_total if s.kv_pages_total else 0.0
+
+
+def inference_gateway_metrics(s: EngineStats, usage: float) -> Iterator[Metric]:
+    """The model-server protocol gauges under the endpoint picker's default (vLLM) names."""
+    yield GaugeMetricFamily(
+        f"{GATEWAY_PREFIX}num_requests_waiting",
+        "TotalQueuedRequests: requests waiting for admission",
+        value=s.num_waiting,
+    )
+    yield GaugeMetricFamily(
+        f"{GATEWAY_PREFIX}num_requests_running",
+        "TotalRunningRequests: requests being computed",
+        value=s.num_running,
+    )
+    for name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):  # current and older pickers
+        yield GaugeMetricFamily(
+            f"{GATEWAY_PREFIX}{name}", "KVCacheUtilization: KV cache usage (1 = full)", value=usage
+        )
+    info = GaugeMetricFamily(
+        f"{GATEWAY_PREFIX}cache_config_info",
+        "KV cache geometry: tokens per block and number of blocks",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    info.add_metric([str(s.page_size), str(s.kv_pages_total)], 1.0)
+    yield info
 
 
 @dataclass(frozen=True)

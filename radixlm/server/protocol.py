@@ -237,6 +237,9 @@ class GenerateReqInput(_Strict):
     routing_key: str | None = None
     conversation_id: str | None = None
     log_metrics: bool = True
+    # A router (smg) forwards SGLang's full request shape: `model` and these, at defaults.
+    model: str | None = None
+    no_logs: bool = False
     modalities: list[str] | None = None
     # Accepted only at their defaults (see NATIVE_DEFAULT_ONLY).
     input_embeds: Any = None

@@ -1,0 +1,171 @@
+"""Megatron-style sharding of the Llama-family model, done while the checkpoint is read.
+
+Per decoder layer, rank `r` of `tp` holds:
+
+- `qkv_proj` (column parallel): its `num_heads / tp` query heads and its KV heads. KV heads are
+  split when `tp` divides them; when `tp` is a multiple of them, each KV head is replicated on
+  `tp / num_kv_heads` consecutive ranks (vLLM's rule: rank `r` holds KV head
+  `r // (tp / num_kv_heads)`, the one its query heads attend to). Anything else is refused.
+- `o_proj` (row parallel): the matching input columns; one all-reduce of its output.
+- `gate_up_proj` (column parallel): `intermediate / tp` rows of gate and of up.
+- `down_proj` (row parallel): the matching input columns; one all-reduce; its bias (if any) is
+  added once, after the reduction.
+
+The embedding and the LM head are replicated, not vocab-parallel: rank 0 samples (grammar masks,
+penalties, logprobs) from full logits, which a vocab-parallel head would have to gather to rank 0
+every step; replicated, a step has exactly the two all-reduces per layer and nothing else. The
+cost is one `vocab x hidden` matrix per rank (tied models: one in all).
+
+The model class is not changed: it is built from a per-rank config (`num_attention_heads`,
+`num_key_value_heads`, `intermediate_size` divided), so every local shape is the shard's, and the
+two row-parallel projections are swapped for `RowParallelLinear`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What rank `rank` of `tp_size` holds of a model with the given head counts."""
+
+    tp_size: int
+    rank: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    def __post_init__(self) -> None:
+        tp = self.tp_size
+        if self.num_heads % tp:
+            raise ValueError(
+                f"tp_size {tp} must divide the number of attention heads ({self.num_heads})"
+            )
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(
+                f"tp_size {tp} must divide the number of KV heads ({self.num_kv_heads}) or be a "
+                "multiple of it (KV heads are then replicated)"
+            )
+        if self.intermediate_size % tp:
+            raise ValueError(
+                f"tp_size {tp} must divide intermediate_size ({self.intermediate_size})"
+            )
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.tp_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(self.num_kv_heads // self.tp_size, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """Ranks sharing one KV head (1: KV heads are split)."""
+        return max(self.tp_size // self.num_kv_heads, 1)
+
+    @property
+    def kv_head_start(self) -> int:
+        return self.rank // self.kv_replicas * self.local_kv_heads
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.tp_size
+
+
+def shard_spec(hf_config: Any, tp_size: int, rank: int) -> ShardSpec:
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ShardSpec(
+        tp_size=tp_size,
+        rank=rank,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+    )
+
+
+def shard_config(hf_config: Any, spec: ShardSpec) -> Any:
+    """A copy of the config whose head counts and MLP width are this rank's."""
+    cfg = copy.deepcopy(hf_config)
+    cfg.head_dim = spec.head_dim  # NOTE: before the head count changes hidden // heads
+    cfg.num_attention_heads = spec.local_heads
+    cfg.num_key_value_heads = spec.local_kv_heads
+    cfg.intermediate_size = spec.local_intermediate
+    return cfg
+
+
+class RowParallelLinear(nn.Linear):
+    """`y = all_reduce(x_shard @ W_shard^T) + b`: input features split across ranks."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, group: TensorParallelGroup
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/tp] -> [T, out]
+        y = F.linear(x, self.weight)
+        self.group.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+def parallelize(model: nn.Module, group: TensorParallelGroup) -> None:
+    """Swap each layer's o_proj and down_proj for row-parallel ones (same shapes and names).
+    Call on the model built from `shard_config`, before its weights are materialized."""
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            old: nn.Linear = getattr(parent, name)
+            with torch.device(old.weight.device):
+                new = RowParallelLinear(
+                    old.in_features, old.out_features, old.bias is not None, group
+                )
+            setattr(parent, name, new.to(old.weight.dtype))
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return t.narrow(0, start, size)
+
+
+def _cols(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return t.narrow(-1, start, size)
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's slice of one checkpoint tensor (Hugging Face name); replicated ones whole."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return tensor
+    module, kind = parts[-2], parts[-1]
+    d, r = spec.head_dim, spec.rank
+    if module == "q_proj":
+        return _rows(tensor, r * spec.local_heads * d, spec.local_heads * d)
+    if module in ("k_proj", "v_proj"):
+        return _rows(tensor, spec.kv_head_start * d, spec.local_kv_heads * d)
+    if module in ("gate_proj", "up_proj"):
+        return _rows(tensor, r * spec.local_intermediate, spec.local_intermediate)
+    if module == "o_proj" and kind == "weight":
+        return _cols(tensor, r * spec.local_heads * d, spec.local_heads * d)
+    if module == "down_proj" and kind == "weight":
+        return _cols(tensor, r * spec.local_intermediate, spec.local_intermediate)
+    return tensor  # embeddings, norms, lm_head, row-parallel biases
+
+
+def shard_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], spec: ShardSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Slice each tensor as it is read; only this rank's shard is ever copied to the device."""
+    for name, tensor in weights:
+        yield name, shard_tensor(name, tensor, spec)
