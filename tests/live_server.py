@@ -36,7 +36,12 @@ class Server:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def info(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=30)
+        r = httpx.get(
+            f"{self.url}/get_server_info",
+            params={"check_integrity": "true"},
+            headers=self.headers,
+            timeout=30,
+        )
         r.raise_for_status()
         return r.json()
 

@@ -250,6 +250,10 @@ class RadixCache:
         self._num_tree_pages = 0
 
     # ------------------------------------------------------------------ introspection
+    def hit_counters(self) -> tuple[int, int]:
+        """``(hit_tokens, queried_tokens)`` since creation, O(1)."""
+        return self._hit_tokens, self._queried_tokens
+
     def stats(self) -> CacheStats:
         """Tree occupancy (O(tree)) and cumulative hit statistics (``reset`` keeps these)."""
         nodes = [n for n in self._nodes() if not n.is_root]

@@ -212,14 +212,18 @@ class OutputProcessor:
             branch = self.make_branch(req, index=k + 1)
             branch.num_cached_tokens = req.num_cached_tokens
             branch.error = req.error
+            branch.error_code = req.error_code
             branch.status = RequestStatus.FINISHED
             branch.finish_reason = reason
             branch.finish_time = req.finish_time
             self._queue(branch, "")
         req.pending_forks = 0
 
-    def fail(self, req: Request, message: str) -> None:
+    def fail(self, req: Request, message: str, code: str | None = None) -> None:
+        """Finish `req` with an error (and a machine-readable `code`; `req.error_code` if
+        already set, else "internal")."""
         req.error = message
+        req.error_code = code or req.error_code or "internal"
         self.finish(req, "error")
 
     def _queue(self, req: Request, text: str) -> None:
@@ -245,6 +249,7 @@ class OutputProcessor:
                     finish_reason=req.finish_reason if finished else None,
                     stop_reason=req.stop_reason if finished else None,
                     error=req.error,
+                    error_code=req.error_code,
                     prompt_tokens=req.num_prompt_tokens,
                     cached_tokens=req.num_cached_tokens,
                     completion_tokens=req.num_output_tokens,

@@ -29,6 +29,7 @@ class Completion:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None  # machine-readable cause of an "error" finish
     prompt_logprobs: list[float | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
@@ -41,6 +42,7 @@ class Completion:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error = delta.error
+            self.error_code = delta.error_code
 
 
 @dataclass

@@ -93,16 +93,8 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.num_tokens == 0:
-            self.processor.fail(req, "prompt must contain at least one token")
-            return
-        if req.num_tokens >= self.max_model_len:
-            self.processor.fail(
-                req,
-                f"prompt has {req.num_tokens} tokens; the maximum context length is "
-                f"{self.max_model_len} (prompt + at least one generated token)",
-            )
-            return
+        """Queue a request `Engine.submit` has validated (ids in range, prompt non-empty and
+        shorter than `max_model_len`)."""
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:

@@ -14,13 +14,15 @@ import radixlm
 from radixlm.runtime.engine import Engine
 from radixlm.server import native_api, openai_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
+from radixlm.server.limits import BodyGuard
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# Open without a key: liveness probes and scrapers (SGLang does the same).
-PUBLIC_PATHS = ("/health", "/metrics")
+# Open without a key: liveness probes and scrapers (SGLang and vLLM do the same). Exact paths:
+# `/health_generate` runs a generation and needs the key.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 class ApiKeyMiddleware:
@@ -36,7 +38,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if path.startswith(PUBLIC_PATHS):
+        if path in PUBLIC_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -72,6 +74,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    # NOTE: the last middleware added runs first: the key is checked before a body is read.
+    app.add_middleware(BodyGuard, max_body_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -7,9 +7,10 @@ Where they come from: OpenAI `response_format` (`json_object`, or `json_schema` 
 for best-effort decoding of schema keywords the backend cannot enforce; `grammar_whitespace`
 (`"compact"`, the default, or `"any"`) controls whitespace in generated JSON.
 
-Every problem is a 400 naming the API field: malformed (`make_constraint`, no engine needed),
-then invalid / unsupported for the engine's grammar backend (`check_constraint`, off the event
-loop; the message lists unsupported schema keywords and where they are).
+Every problem is a 400 naming the API field: too large (`radixlm.server.limits`), malformed
+(`make_constraint`, no engine needed), then invalid / unsupported for the engine's grammar
+backend (`Engine.submit`, run off the event loop; the message lists unsupported schema keywords
+and where they are).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
-
-from starlette.concurrency import run_in_threadpool
 
 from radixlm.runtime.grammar.base import Constraint, GrammarError, Whitespace
 from radixlm.server.errors import ApiError
@@ -87,18 +86,3 @@ def make_constraint(
         raise ApiError(f"{param}: {exc}", param=param) from exc
     assert c is not None
     return RequestConstraint(c, param)
-
-
-async def check_constraint(engine: Engine, rc: RequestConstraint | None) -> None:
-    """Validate against the engine's grammar backend in a worker thread: a 400 naming the
-    field for an invalid schema / regex / grammar or unsupported schema keywords."""
-    if rc is None:
-        return
-
-    def validate() -> None:
-        engine.grammar_manager.validate(rc.constraint)
-
-    try:
-        await run_in_threadpool(validate)
-    except ValueError as exc:  # GrammarError, or the backend is not installed
-        raise ApiError(f"{rc.param}: {exc}", param=rc.param) from exc

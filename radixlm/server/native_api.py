@@ -26,13 +26,14 @@ from starlette.responses import Response
 
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.server.constraints import (
-    RequestConstraint,
-    check_constraint,
-    grammar_backend,
-    make_constraint,
-)
+from radixlm.server.constraints import RequestConstraint, grammar_backend, make_constraint
 from radixlm.server.errors import ApiError, OrjsonResponse
+from radixlm.server.limits import (
+    check_constraint_size,
+    check_logit_bias,
+    check_stop,
+    check_top_logprobs,
+)
 from radixlm.server.metrics import CONTENT_TYPE
 from radixlm.server.protocol import AbortReqInput, GenerateReqInput, NativeSamplingParams
 from radixlm.server.serving import (
@@ -42,6 +43,7 @@ from radixlm.server.serving import (
     RequestGroup,
     SSEResponse,
     collect,
+    engine_error,
     raise_if_failed,
     run_until_disconnect,
     sampling_params,
@@ -74,18 +76,23 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         raise ApiError(f"{prompt_param}: at most {client.config.max_batch_prompts} prompts")
     plist = _per_prompt_params(body, len(prompts))
     rids = _rids(client, body.rid, len(prompts))
+    if body.logprob_start_len < -1:
+        raise ApiError("logprob_start_len must be >= -1", param="logprob_start_len")
+    check_top_logprobs(body.top_logprobs_num, client.config.max_top_logprobs, "top_logprobs_num")
+    names = {
+        "prompt": prompt_param,
+        "stop_token_ids": f"{_SP}.stop_token_ids",
+        "logit_bias": f"{_SP}.logit_bias",
+    }
     reqs = []
     for prompt, sp, rid in zip(prompts, plist, rids):
         ids = await client.tokenize(prompt, prompt_param)
         client.check_n(sp.n, f"{_SP}.n")
-        constraint = _constraint(sp)
-        await check_constraint(client.engine, constraint)
-        if body.logprob_start_len < -1:
-            raise ApiError("logprob_start_len must be >= -1", param="logprob_start_len")
-        params = _params(sp, body, constraint)
+        constraint = _constraint(client, sp)
+        params = _params(client, sp, body, constraint)
         client.check_length(ids, max(sp.max_new_tokens, 1), prompt_param, f"{_SP}.max_new_tokens")
-        reqs.append(GenerationRequest(ids, params, rid, constraint))
-    group = client.submit(reqs)
+        reqs.append(GenerationRequest(ids, params, rid, constraint, names))
+    group = await client.submit(reqs, body.timeout)
     start = time.perf_counter()
     if body.stream:
         return SSEResponse(_stream(client, group, body, plist, start), on_close=group.close)
@@ -132,19 +139,25 @@ def _per_prompt_params(body: GenerateReqInput, count: int) -> list[NativeSamplin
 
 
 def _rids(client: EngineClient, rid: str | list[str] | None, count: int) -> list[str]:
+    """One id per prompt: the client's list, or `rid` / `rid-k` for a batch (uniqueness
+    against the requests in flight is checked at submission)."""
     if isinstance(rid, list):
         if len(rid) != count or len(set(rid)) != count:
             raise ApiError(f"rid: need {count} distinct request ids, got {rid!r}", param="rid")
-        return [client.new_request_id("", r) for r in rid]
+        return list(rid)
     base = client.new_request_id("", rid)
     return [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
 
 
 def _params(
-    sp: NativeSamplingParams, body: GenerateReqInput, constraint: RequestConstraint | None
+    client: EngineClient,
+    sp: NativeSamplingParams,
+    body: GenerateReqInput,
+    constraint: RequestConstraint | None,
 ) -> SamplingParams:
-    if sp.logit_bias:
-        raise ApiError(f"{_SP}.logit_bias: not supported", param=f"{_SP}.logit_bias")
+    cfg = client.config
+    check_stop(sp.stop, cfg.max_stop_strings, cfg.max_stop_chars, f"{_SP}.stop")
+    bias = check_logit_bias(sp.logit_bias, cfg.max_logit_bias, f"{_SP}.logit_bias")
     if sp.custom_params:
         raise ApiError(f"{_SP}.custom_params: not supported", param=f"{_SP}.custom_params")
     names = {f.name: f"{_SP}.{f.name}" for f in dataclasses.fields(SamplingParams)}
@@ -169,11 +182,21 @@ def _params(
         logprobs=body.return_logprob,
         top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
         logprob_start_len=body.logprob_start_len if body.return_logprob else -1,
+        logit_bias=bias,
         constraint=constraint.constraint if constraint else None,
     )
 
 
-def _constraint(sp: NativeSamplingParams) -> RequestConstraint | None:
+def _constraint(client: EngineClient, sp: NativeSamplingParams) -> RequestConstraint | None:
+    cfg = client.config
+    for kind in ("json_schema", "regex", "ebnf"):
+        check_constraint_size(
+            getattr(sp, kind),
+            f"{_SP}.{kind}",
+            cfg.max_constraint_chars,
+            cfg.max_schema_depth,
+            cfg.max_schema_nodes,
+        )
     found = [
         make_constraint(
             kind,  # type: ignore[arg-type]
@@ -263,7 +286,7 @@ async def _stream(
     try:
         async for k, out in group:
             if out.finish_reason == "error":
-                err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
+                err = engine_error(out.error, out.error_code)
                 logger.error("streamed request failed: %s", out.error)
                 yield sse(err.body())
                 yield SSE_DONE
@@ -275,6 +298,9 @@ async def _stream(
             e2e = time.perf_counter() - start
             yield sse(_result(client, group, k, _visible(c, plist[k]), body, e2e))
         yield SSE_DONE
+    except ApiError as err:  # the deadline passed (the group aborted the request)
+        yield sse(err.body())
+        yield SSE_DONE
     finally:
         group.close()
 
@@ -283,7 +309,13 @@ async def _stream(
 
 
 @router.get("/health")
-async def health() -> Response:
+async def health(request: Request) -> Response:
+    """200 while the engine's step thread lives; 503 once it died or the server is stopping."""
+    client = _client(request)
+    if not client.engine.healthy:
+        raise ApiError(client.engine._dead_message(), status_code=503, code="engine_unavailable")
+    if client.draining:
+        raise ApiError("the server is shutting down", status_code=503, code="shutting_down")
     return Response(status_code=200)
 
 
@@ -292,7 +324,7 @@ async def health_generate(request: Request) -> Response:
     """Generate one token end to end; 503 when the engine does not answer within 20 s."""
     client = _client(request)
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
-    group = client.submit([GenerationRequest([0], params, f"health-{time.monotonic_ns()}")])
+    group = await client.submit([GenerationRequest([0], params, f"health-{time.monotonic_ns()}")])
     try:
         outs = await asyncio.wait_for(collect(group), timeout=20.0)
     except asyncio.TimeoutError:
@@ -320,15 +352,19 @@ async def get_model_info(request: Request) -> Response:
 
 
 @router.get("/get_server_info")
-def get_server_info(request: Request) -> Response:
-    """Server and engine configuration, engine stats, and a KV-accounting integrity check."""
+def get_server_info(request: Request, check_integrity: bool = False) -> Response:
+    """Server and engine configuration and engine stats: O(1) counters, no engine lock.
+    `?check_integrity=true` also runs the KV-accounting integrity check (O(pages), under the
+    engine lock: for tests and debugging, not for scrapers)."""
     client = _client(request)
     engine = client.engine
-    try:
-        engine.check_integrity()
-        integrity = "ok"
-    except AssertionError as exc:
-        integrity = f"failed: {exc}"
+    integrity = "not checked"
+    if check_integrity:
+        try:
+            engine.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"failed: {exc}"
     server = dataclasses.asdict(client.config)
     server["api_key"] = None if client.config.api_key is None else "***"
     return OrjsonResponse(
@@ -338,6 +374,7 @@ def get_server_info(request: Request) -> Response:
             "engine_stats": dataclasses.asdict(engine.stats()),
             "kv_integrity": integrity,
             "active_requests": len(client.active),
+            "engine_alive": engine.healthy,
             "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
         }

@@ -25,6 +25,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0)]
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
 Stop = str | list[str]
+Timeout = Annotated[float, Field(gt=0.0, le=86400.0)]
 
 
 class _Strict(BaseModel):
@@ -90,6 +91,9 @@ class _OpenAISampling(_Strict):
     grammar_best_effort: bool = False  # ignore schema keywords the backend cannot enforce
     grammar_whitespace: Literal["compact", "any"] = "compact"  # whitespace in generated JSON
     rid: str | None = None
+    # Deadline in seconds from submission (default: the server's --request-timeout); past it
+    # the request is aborted and answered 408.
+    timeout: Timeout | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -134,7 +138,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
+    # None: true unless continue_final_message (vLLM); both true is a 400.
+    add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -188,6 +193,7 @@ class GenerateReqInput(_Strict):
     logprob_start_len: int = -1
     top_logprobs_num: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     return_text_in_logprobs: bool = False
+    timeout: Timeout | None = None  # deadline in seconds (default: --request-timeout)
     # Accepted for compatibility with SGLang clients; they change nothing here.
     modalities: list[str] | None = None
     lora_path: None = None
