@@ -224,8 +224,7 @@ def server_config(args: argparse.Namespace) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     from radixlm.server.launch import serve
 
-    serve(engine_kwargs(args), server_config(args))
-    return 0
+    return serve(engine_kwargs(args), server_config(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,9 +66,15 @@ def free_port() -> int:
 
 @contextmanager
 def launch_server(
-    model_dir: Path, log_path: Path, api_key: str, extra_args: list[str]
+    model_dir: Path,
+    log_path: Path,
+    api_key: str,
+    extra_args: list[str],
+    entry: list[str] | None = None,
 ) -> Iterator[Server]:
-    """Start the server, wait for /health, yield it, and stop it (SIGTERM, then kill)."""
+    """Start the server, wait for /health, yield it, and stop it (SIGTERM, then kill).
+    `entry`: what follows the Python executable instead of `-m radixlm.cli` (a script that
+    wraps the CLI, e.g. with test hooks)."""
     port = free_port()
     env = {
         **os.environ,
@@ -78,7 +84,7 @@ def launch_server(
         "HF_HUB_OFFLINE": "1",
     }
     cmd = [
-        sys.executable, "-m", "radixlm.cli", "serve",
+        sys.executable, *(entry or ["-m", "radixlm.cli"]), "serve",
         "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir),
         "--num-threads", "1", "--dtype", "float32", "--log-level", "warning", *extra_args,
     ]  # fmt: skip

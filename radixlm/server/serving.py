@@ -163,6 +163,7 @@ class RequestGroup:
         self._open = 0
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._failure: ApiError | None = None
         rids = [r.request_id for r in reqs]
         taken = [rid for rid in rids if rid in client.active]
         if taken or len(set(rids)) != len(rids):
@@ -207,6 +208,14 @@ class RequestGroup:
         except EngineDeadError as exc:
             raise ApiError(str(exc), status_code=503, code="engine_unavailable") from exc
 
+    def fail(self, error: ApiError) -> None:
+        """End the group from the server side (shutdown, dead engine): abort what is
+        unfinished and make the consumer raise `error`."""
+        if self._failure is None and not self.done:
+            self._failure = error
+            self.close()
+            self._queue.put_nowait((-1, time.perf_counter(), None))  # type: ignore[arg-type]
+
     def _sink(self, k: int, out: RequestOutput) -> None:
         """Engine thread: hand the delta to the event loop."""
         try:
@@ -221,7 +230,7 @@ class RequestGroup:
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas until every branch finished; past the deadline, abort everything unfinished
         (its pages are freed) and raise `ApiError` 408 naming `timeout`."""
-        while self._open:
+        while self._open or self._failure is not None:
             if self.deadline is None:
                 k, t, out = await self._queue.get()
             else:
@@ -238,6 +247,9 @@ class RequestGroup:
                         status_code=408,
                         code="request_timeout",
                     ) from None
+            if k < 0:
+                assert self._failure is not None
+                raise self._failure
             member = self.members[k]
             if out.index not in member.remaining:
                 continue  # a sibling's abort delta after the group already finished it
@@ -389,13 +401,9 @@ class EngineClient:
         """Submit the prompts of one HTTP request: 503 with `Retry-After` when the waiting
         queue is full (`--max-queued-requests`) or the engine is down."""
         if self.draining:
-            raise ApiError(
-                "the server is shutting down", status_code=503, code="shutting_down"
-            )
+            raise ApiError("the server is shutting down", status_code=503, code="shutting_down")
         if not self.engine.healthy:
-            raise ApiError(
-                self.engine._dead_message(), status_code=503, code="engine_unavailable"
-            )
+            raise ApiError(self.engine._dead_message(), status_code=503, code="engine_unavailable")
         queued = self.engine.num_queued
         limit = self.config.max_queued_requests
         if queued + len(reqs) > limit:
@@ -447,6 +455,13 @@ class EngineClient:
         group = self.active.get(request_id)
         self.engine.abort(request_id)
         return group is not None
+
+    def fail_all_active(self, message: str, code: str) -> int:
+        """Fail every request in flight with a 503 (`message`); returns how many."""
+        groups = {id(g): g for g in self.active.values()}
+        for group in groups.values():
+            group.fail(ApiError(message, status_code=503, code=code, headers={"Retry-After": "1"}))
+        return len(groups)
 
     def abort_all(self) -> int:
         rids = list(self.active)
