@@ -7,7 +7,8 @@ request can be mixed into a batch of good ones:
 - seed 7002: the grammar step raises while advancing this request's matcher;
 - seed 7003: the detokenizer raises on this request's first token;
 - seed 7004: the engine's step thread dies (a BaseException escapes the step loop);
-- prompt token id 7005 anywhere in a batch: the model forward raises (a batch-level fault);
+- prompt token ids FORWARD (three rare ids in a row) anywhere in a batch: the model forward
+  raises (a batch-level fault caused by one request);
 - regex `SLOW[0-9]`: the grammar backend's compile sleeps 5 s (a compile timeout).
 
 Usage: python tests/stress/fault_server.py serve <radixlm serve flags>
@@ -19,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-SAMPLE, GRAMMAR, DETOK, DIE, FORWARD = 7001, 7002, 7003, 7004, 7005
+SAMPLE, GRAMMAR, DETOK, DIE = 7001, 7002, 7003, 7004
+FORWARD = [49100, 49101, 49102]
 
 
 class InjectedThreadDeath(BaseException):
@@ -28,8 +30,6 @@ class InjectedThreadDeath(BaseException):
 
 
 def install() -> None:
-    import torch
-
     from radixlm.runtime import constrained, detokenizer, model_runner, sampler, scheduler
     from radixlm.runtime.grammar import xgrammar_backend
 
@@ -78,7 +78,8 @@ def install() -> None:
     forward = model_runner.ModelRunner.forward
 
     def faulty_forward(self, batch, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if bool((batch.input_ids == FORWARD).any()):
+        ids = batch.input_ids.tolist()
+        if any(ids[i : i + 3] == FORWARD for i in range(len(ids) - 2)):
             raise RuntimeError("injected forward fault")
         return forward(self, batch, *args, **kwargs)
 
@@ -92,7 +93,6 @@ def install() -> None:
         return compile_(self, constraint)
 
     xgrammar_backend.XGrammarBackend.compile = slow_compile  # type: ignore[method-assign]
-    del torch
 
 
 if __name__ == "__main__":
