@@ -30,7 +30,7 @@ class Server:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]

@@ -379,7 +379,7 @@ class EngineClient:
     ) -> None:
         """Prompt + completion within the context (the prompt alone is `Engine.submit`'s)."""
         limit = self.engine.max_model_len
-        if len(ids) < limit and len(ids) + max_new_tokens > limit:
+        if 0 < len(ids) < limit and len(ids) + max_new_tokens > limit:
             raise ApiError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids) + max_new_tokens} tokens ({len(ids)} in the prompt, {max_new_tokens} "
