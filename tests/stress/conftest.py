@@ -3,7 +3,8 @@ on loopback, running a tiny random-weight Llama (float32) through `fault_server.
 plus fault-injection hooks keyed by request seeds; see that file).
 
 The shared server has a small KV pool (STRESS_PAGES pages of 16 tokens) so that load forces
-retraction, and short grammar / request timeouts so that every wait in these tests is bounded; `--max-model-len 64` bounds every generation.
+retraction, and short grammar / request timeouts so that every wait in these tests is bounded;
+`--max-model-len 64` bounds every generation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from live_server import Server, launch_server
 
 FAULT_SERVER = [str(Path(__file__).with_name("fault_server.py"))]
-STRESS_PAGES = 48
+STRESS_PAGES = 24
 STRESS_ARGS = [
     "--num-pages", str(STRESS_PAGES),
     "--max-running-requests", "32",
