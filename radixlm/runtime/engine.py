@@ -44,6 +44,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
         from radixlm.runtime.models.loader import (
+            context_length,
             load_model_info,
             load_tokenizer,
             resolve_model_path,
@@ -71,7 +72,7 @@ class Engine:
             self.device,
             cfg.cache,
             cfg.attention_backend,
-            cfg.scheduler.max_model_len,
+            context_length(self.model_info, cfg.scheduler.max_model_len),
         )
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ def test_compile_timeout_is_a_503_with_the_reason(
     stress_server: Server, http: httpx.Client
 ) -> None:
     t0 = time.monotonic()
-    r = http.post(C, json={"prompt": "Hi", "max_tokens": 3, "regex": "SLOW[0-9]"})
+    slow = f"SLOW{uuid.uuid4().hex[:8]}[0-9]"  # fresh: a finished late compile is cached
+    r = http.post(C, json={"prompt": "Hi", "max_tokens": 3, "regex": slow})
     elapsed = time.monotonic() - t0
     assert r.status_code == 503, r.text
     error = r.json()["error"]
