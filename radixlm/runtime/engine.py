@@ -465,8 +465,8 @@ class Engine:
         try:
             self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-            logger.exception("engine step failed; failing the affected requests")
-            self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")
+            logger.exception("engine step failed; failing the requests of that step")
+            self.scheduler.fail_step(f"internal error: {type(exc).__name__}: {exc}")
             self.processor.drain()
 
 

@@ -11,6 +11,7 @@ request. Logprobs are the raw model's (before the grammar mask); forced tokens r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,12 @@ from radixlm.runtime.sampler import (
     make_generator,
     min_tokens_suppress_ids,
 )
+
+logger = logging.getLogger(__name__)
+
+
+def _internal_error(stage: str, exc: BaseException) -> str:
+    return f"internal error in {stage}: {type(exc).__name__}: {exc}"
 
 
 class OutputProcessor:
@@ -87,11 +94,55 @@ class OutputProcessor:
     def sample_and_append(
         self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
     ) -> list[Request]:
-        """Sample one token for each request from `logits[rows[i]]`; return the finished ones."""
+        """Sample one token for each request from `logits[rows[i]]`; return the finished ones.
+
+        Faults are attributed to one request: when batched sampling raises, each request is
+        sampled alone and those that still raise fail; an exception while appending one
+        request's token (grammar, detokenizer, stop checks) fails that request only. Failed
+        requests are returned with the finished ones (the scheduler releases their pages)."""
         if not reqs:
             return []
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
+        errors: dict[int, str] = {}
+        try:
+            tokens, lps = self._sample(reqs, logits)
+        except Exception:  # noqa: BLE001 - find the request(s) that cause it
+            logger.exception("batched sampling failed; sampling each request alone")
+            tokens, lps = [], []
+            for i, req in enumerate(reqs):
+                try:
+                    [tok], [lp] = self._sample([req], logits[i : i + 1])
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    errors[i] = _internal_error("sampling", exc)
+                    tok, lp = -1, None
+                tokens.append(tok)
+                lps.append(lp)
+        finished = []
+        now = time.monotonic()
+        for i, (req, tok, lp) in enumerate(zip(reqs, tokens, lps)):
+            if i in errors:
+                self.fail(req, errors[i])
+                finished.append(req)
+                continue
+            try:
+                if req.grammar is None:
+                    done = self._append_sampled(req, tok, lp, now)
+                else:
+                    done = self._append_constrained(req, tok, lp, now)
+            except Exception as exc:  # noqa: BLE001 - grammar / detokenizer: this request only
+                logger.exception("request %s failed while appending a token", req.request_id)
+                self.fail(req, _internal_error("output processing", exc))
+                done = True
+            if done:
+                finished.append(req)
+        return finished
+
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Grammar masks, min-token suppression, penalties, the sampler, for `logits` `[B, V]`
+        (one row per request)."""
         params = [r.params for r in reqs]
         suppress = [
             min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
@@ -114,20 +165,14 @@ class OutputProcessor:
             suppress_token_ids=suppress,
         )
         out = self.sampler(logits, info, raw_logits=raw)
-        finished = []
-        now = time.monotonic()
+        lps: list[TokenLogprob | None] = []
         for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
             lp = None
             if req.params.logprobs:
                 top = out.top_logprobs[i] if out.top_logprobs else None
                 lp = TokenLogprob(tok, out.logprobs[i], top or [])
-            if req.grammar is None:
-                done = self._append_sampled(req, tok, lp, now)
-            else:
-                done = self._append_constrained(req, tok, lp, now)
-            if done:
-                finished.append(req)
-        return finished
+            lps.append(lp)
+        return out.next_token_ids, lps
 
     def _append_sampled(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
         if lp is not None:

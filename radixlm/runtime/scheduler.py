@@ -89,6 +89,7 @@ class Scheduler:
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.num_forwards = 0  # model forward passes (steps that ran the model)
+        self.step_requests: list[Request] = []  # the requests of the step in progress
 
     # ---- queue management -------------------------------------------------------------------
 
@@ -287,7 +288,9 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.step_requests = []
         items = self.schedule()
+        self.step_requests = [i.req for i in items]
         if not items:
             self.last_step = StepStats(step_seconds=time.perf_counter() - t0)
             return self.processor.drain()
@@ -296,7 +299,19 @@ class Scheduler:
         ]
         batch, sample_rows = self._build_batch(items, {id(i.req) for i in sample_items})
         t1 = time.perf_counter()
-        logits = self.runner.forward(batch)  # [R, V]: prompt-logprob rows + one per sampler
+        try:
+            logits = self.runner.forward(batch)  # [R, V]: prompt-logprob rows + one per sampler
+        except Exception:  # noqa: BLE001 - attribute it: fail the requests that fail alone
+            logger.exception("forward failed; running each request alone to find the cause")
+            items = self._drop_failing_items(items)
+            if not items:
+                self.last_step = StepStats(step_seconds=time.perf_counter() - t0)
+                return self.processor.drain()
+            sample_items = [
+                i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens
+            ]
+            batch, sample_rows = self._build_batch(items, {id(i.req) for i in sample_items})
+            logits = self.runner.forward(batch)  # raises again: the engine fails this step
         self.num_forwards += 1
         t2 = time.perf_counter()
         if len(sample_rows) != logits.shape[0]:
@@ -334,6 +349,49 @@ class Scheduler:
         if self.debug_integrity:
             self.check_integrity()
         return self.processor.drain()
+
+    def _drop_failing_items(self, items: list[ScheduledItem]) -> list[ScheduledItem]:
+        """After a failed forward: run each item alone (rewriting its KV slots with the same
+        values is harmless); fail the requests whose forward fails alone and return the rest."""
+        keep = []
+        for item in items:
+            req = item.req
+            done = req.num_computed_tokens + item.num_tokens == req.num_tokens
+            single, _ = self._build_batch([item], {id(req)} if done else set())
+            try:
+                self.runner.forward(single)
+            except Exception as exc:  # noqa: BLE001 - this request's forward
+                logger.error("request %s fails the forward: %r", req.request_id, exc)
+                self.fail_request(req, f"internal error in the model forward: {exc!r}")
+            else:
+                keep.append(item)
+        return keep
+
+    def fail_request(self, req: Request, message: str) -> None:
+        """Fail one request wherever it is and release its pages (not cached: its latest KV
+        writes are not trusted)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.decref(req.pages)
+        req.pages = []
+        req.num_computed_tokens = 0
+        self.processor.fail(req, message)
+
+    def fail_step(self, message: str) -> None:
+        """After an exception in a step: fail the requests of that step (their state is not
+        trusted); the others keep running. If the page accounting is broken anyway, fail
+        everything (last resort)."""
+        for req in self.step_requests:
+            if req.status is not RequestStatus.FINISHED:
+                self.fail_request(req, message)
+        self.step_requests = []
+        try:
+            self.check_integrity()
+        except AssertionError:
+            logger.exception("KV page accounting broken after a failed step; failing everything")
+            self.fail_all(message)
 
     def _build_batch(
         self, items: list[ScheduledItem], sampling: set[int]
@@ -405,6 +463,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING
             self.running.append(child)
+            self.step_requests.append(child)
             children.append(child)
         parent.pending_forks = 0
         return children
