@@ -1,10 +1,12 @@
-"""Sampling and per-token bookkeeping: append, stop checks, detokenize, emit deltas.
+"""Per-token bookkeeping after sampling: append, stop checks, detokenize, emit deltas.
 
-Runs on the engine's step thread. Outputs are queued during a step and handed to the requests'
-sinks by `drain()` at the end of the step, after the scheduler has released finished pages.
+Runs on the engine's step thread (called by `Scheduler.update`). Outputs are queued during a step
+and handed to the requests' sinks by `drain()` at the end of the step, after the scheduler has
+released finished pages. Sampling itself is the executor's (`radixlm.runtime.executor`).
 
-Constrained requests (`req.grammar`): the logits are masked by `GrammarStep` before sampling, and
-one sample may append several tokens (jump-forward); they go through the same per-token stop
+Constrained requests (`req.grammar`): the executor masked the logits before sampling; here the
+sampled token advances the matcher, and one sample may append several tokens (jump-forward);
+they go through the same per-token stop
 checks (stop strings, `max_new_tokens`), the first finish wins, and the step emits one delta per
 request. Logprobs are the raw model's (before the grammar mask); forced tokens report 0.0.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,18 +23,9 @@ import torch
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, stop_token_hit
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from radixlm.runtime.sampler import (
-    Sampler,
-    SamplingBatchInfo,
-    make_generator,
-    min_tokens_suppress_ids,
-)
+from radixlm.runtime.sampler import make_generator
 
 logger = logging.getLogger(__name__)
-
-
-def _internal_error(stage: str, exc: BaseException) -> str:
-    return f"internal error in {stage}: {type(exc).__name__}: {exc}"
 
 
 class OutputProcessor:
@@ -43,14 +36,12 @@ class OutputProcessor:
         vocab_size: int,
         max_model_len: int,
         device: torch.device,
-        seed: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.device = device
-        self.sampler = Sampler(seed=seed)
         self._pending: list[tuple[Request, RequestOutput]] = []
         # Per-request cursor: how many output tokens / logprobs were already emitted.
         self._emitted: dict[int, int] = {}
@@ -91,36 +82,25 @@ class OutputProcessor:
 
     # ---- per step ------------------------------------------------------------------------------
 
-    def sample_and_append(
-        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
+    def append(
+        self,
+        reqs: Sequence[Request],
+        token_ids: Sequence[int],
+        logprobs: Sequence[Any],
+        errors: Mapping[int, str] | None = None,
     ) -> list[Request]:
-        """Sample one token for each request from `logits[rows[i]]`; return the finished ones.
+        """Append each request's sampled token (constrained ones: accept it in the grammar and
+        jump forward), run the stop checks, detokenize, queue one delta per request; return the
+        finished ones. `logprobs[i]` is a `TokenLogprob` or None.
 
-        Faults are attributed to one request: when batched sampling raises, each request is
-        sampled alone and those that still raise fail; an exception while appending one
-        request's token (grammar, detokenizer, stop checks) fails that request only. Failed
-        requests are returned with the finished ones (the scheduler releases their pages)."""
-        if not reqs:
-            return []
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
-        errors: dict[int, str] = {}
-        try:
-            tokens, lps = self._sample(reqs, logits)
-        except Exception:  # noqa: BLE001 - find the request(s) that cause it
-            logger.exception("batched sampling failed; sampling each request alone")
-            tokens, lps = [], []
-            for i, req in enumerate(reqs):
-                try:
-                    [tok], [lp] = self._sample([req], logits[i : i + 1])
-                except Exception as exc:  # noqa: BLE001 - this request only
-                    errors[i] = _internal_error("sampling", exc)
-                    tok, lp = -1, None
-                tokens.append(tok)
-                lps.append(lp)
+        Faults are attributed to one request: `errors[i]` (sampling failed for request i) fails
+        request i, and an exception while appending one request's token (grammar, detokenizer,
+        stop checks) fails that request only. Failed requests are returned with the finished
+        ones, so the scheduler releases their pages."""
+        errors = errors or {}
         finished = []
         now = time.monotonic()
-        for i, (req, tok, lp) in enumerate(zip(reqs, tokens, lps)):
+        for i, (req, tok, lp) in enumerate(zip(reqs, token_ids, logprobs)):
             if i in errors:
                 self.fail(req, errors[i])
                 finished.append(req)
@@ -132,47 +112,11 @@ class OutputProcessor:
                     done = self._append_constrained(req, tok, lp, now)
             except Exception as exc:  # noqa: BLE001 - grammar / detokenizer: this request only
                 logger.exception("request %s failed while appending a token", req.request_id)
-                self.fail(req, _internal_error("output processing", exc))
+                self.fail(req, f"internal error in output processing: {exc!r}")
                 done = True
             if done:
                 finished.append(req)
         return finished
-
-    def _sample(
-        self, reqs: list[Request], logits: torch.Tensor
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Grammar masks, min-token suppression, penalties, the sampler, for `logits` `[B, V]`
-        (one row per request)."""
-        params = [r.params for r in reqs]
-        suppress = [
-            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
-        ]
-        raw = None
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
-            if any(r.grammar is not None and r.params.logprobs for r in reqs):
-                raw = logits.clone()  # [B, V] logprobs are the unmasked model's
-            # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
-            # output or the row gather above), read by nothing else.
-            suppress = self.grammar.mask(reqs, logits, suppress)
-        needs_hist = any(p.needs_penalties for p in params)
-        info = SamplingBatchInfo.build(
-            params,
-            [r.generator for r in reqs],
-            [r.prompt_token_ids if needs_hist else () for r in reqs],
-            [r.output_token_ids if needs_hist else () for r in reqs],
-            self.vocab_size,
-            logits.device,
-            suppress_token_ids=suppress,
-        )
-        out = self.sampler(logits, info, raw_logits=raw)
-        lps: list[TokenLogprob | None] = []
-        for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
-            lp = None
-            if req.params.logprobs:
-                top = out.top_logprobs[i] if out.top_logprobs else None
-                lp = TokenLogprob(tok, out.logprobs[i], top or [])
-            lps.append(lp)
-        return out.next_token_ids, lps
 
     def _append_sampled(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> bool:
         if lp is not None:
@@ -274,7 +218,7 @@ class OutputProcessor:
     def _queue(self, req: Request, text: str) -> None:
         key = id(req)
         start = self._emitted.get(key, 0)
-        new_tokens = req.output_token_ids[start:]
+        new_tokens = req.token_ids[req.num_prompt_tokens + start :]  # only the new ones
         new_lps = req.output_logprobs[start:] if req.params.logprobs else []
         finished = req.status is RequestStatus.FINISHED
         if finished:
@@ -288,7 +232,7 @@ class OutputProcessor:
                     request_id=req.request_id,
                     index=req.index,
                     text=text,
-                    token_ids=list(new_tokens),
+                    token_ids=new_tokens,
                     logprobs=list(new_lps),
                     finished=finished,
                     finish_reason=req.finish_reason if finished else None,

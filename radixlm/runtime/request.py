@@ -79,6 +79,9 @@ class Request:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
+    # Bumped whenever `pages` changes other than by appending (adoption, release, fork): the
+    # executor's persistent page table rewrites the row then, else it only appends.
+    page_gen: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
