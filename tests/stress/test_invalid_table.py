@@ -234,7 +234,7 @@ def _cases() -> list[tuple[str, str, str, Any, str | None]]:
             "GET",
             "/get_server_info?check_integrity=maybe",
             None,
-            "check_integrity",
+            "query.check_integrity",
         ),
         ("get-completions", "GET", C, None, None),
         ("unknown-path", "GET", "/v1/nothing", None, None),
