@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.engine import Engine
-from radixlm.server import native_api, openai_api
+from radixlm.server import dashboard, native_api, openai_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
 from radixlm.server.limits import BodyGuard
 from radixlm.server.metrics import ServerMetrics
@@ -20,8 +20,9 @@ from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfi
 
 logger = logging.getLogger(__name__)
 
-# Open without a key: liveness probes and scrapers (SGLang and vLLM do the same). Exact paths:
-# `/health_generate` runs a generation and needs the key.
+# Open without a key: liveness probes and scrapers (SGLang and vLLM do the same), and the
+# dashboard's page and static files (its data stream needs the key: `dashboard.is_public`).
+# Exact paths: `/health_generate` runs a generation and needs the key.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -38,7 +39,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if path in PUBLIC_PATHS:
+        if path in PUBLIC_PATHS or dashboard.is_public(path):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -74,6 +75,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.state.dashboard = dashboard.DashboardHub(
+        engine, metrics, show_text=config.dashboard_show_text
+    )
+    app.include_router(dashboard.router)
+    app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
     # NOTE: the last middleware added runs first: the key is checked before a body is read.
     app.add_middleware(BodyGuard, max_body_bytes=config.max_body_bytes)
     if config.api_key:

@@ -46,6 +46,7 @@ class ServerConfig:
     max_n: int = 16  # most sequences (`n`) one request may ask for
     max_batch_prompts: int = 64  # most prompts in one batched request
     log_level: str = "info"
+    dashboard_show_text: bool = False  # /dashboard shows prompt text, not only token-id hashes
     # ---- limits: each refusal is a 4xx naming the limit (and its flag)
     max_body_bytes: int = 8 * 2**20  # request body; 413 past it, enforced while reading
     max_prompt_chars: int | None = None  # before tokenizing; None: 16 x max_model_len
