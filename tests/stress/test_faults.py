@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAULT_SERVER, assert_clean, normal_request, wait_exit
 from fault_server import DETOK, DIE, FORWARD, GRAMMAR, SAMPLE
 from live_server import Server, launch_server
+from stress_support import FAULT_SERVER, assert_clean, normal_request, wait_exit
 
 C, G = "/v1/completions", "/generate"
 SP2 = {"max_new_tokens": 2}

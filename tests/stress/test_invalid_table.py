@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_clean, normal_request
 from live_server import Server
+from stress_support import assert_clean, normal_request
 
 C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
 MSG = [{"role": "user", "content": "Hi"}]

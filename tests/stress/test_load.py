@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_clean
 from live_server import Server
+from stress_support import assert_clean
 
 from radixlm import Engine, SamplingParams
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import schemathesis
-from conftest import assert_clean, normal_request
 from hypothesis import HealthCheck, given, settings
 from live_server import Server
+from stress_support import assert_clean, normal_request
 
 MAX_EXAMPLES = 20  # per endpoint (positive and negative generation modes together)
 
