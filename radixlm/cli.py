@@ -19,7 +19,7 @@ _HELP = {
     "model": "local HF model dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
     "dtype": "bfloat16 | float16 | float32",
     "device": "cuda | cpu (default: cuda if available)",
-    "attention_backend": "auto | torch | triton",
+    "attention_backend": "auto (cpu op on CPU, triton on CUDA) | cpu | torch | triton",
     "num_threads": "torch CPU threads",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",

@@ -22,3 +22,6 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     echo "setup: chromium is not installed (needs root + apt); the dashboard browser test will skip"
   fi
 fi
+# Compile the CPU attention op into the user cache (keyed by source, torch and CPU), so the
+# engine's first use loads it in < 1 s. Never fails: without a compiler the torch backend is used.
+.venv/bin/python -m radixlm.kernels.cpu.build
