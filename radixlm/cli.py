@@ -181,12 +181,60 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         choices=["debug", "info", "warning", "error", "critical"],
         help=f"logging level; debug also logs every HTTP request (default: {d.log_level})",
     )
+    _add_limit_args(group, d)
+
+
+# Limits and overload knobs of `ServerConfig`: flag name -> (field, type, help).
+_LIMIT_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--max-body-bytes": ("max_body_bytes", int, "largest request body; 413 past it"),
+    "--max-prompt-chars": (
+        "max_prompt_chars",
+        int,
+        "longest prompt in characters, checked before tokenizing (default: 16 x max_model_len)",
+    ),
+    "--max-stop-strings": ("max_stop_strings", int, "most stop strings per request"),
+    "--max-stop-chars": ("max_stop_chars", int, "longest stop string in characters"),
+    "--max-top-logprobs": ("max_top_logprobs", int, "most top logprobs per token"),
+    "--max-constraint-chars": (
+        "max_constraint_chars",
+        int,
+        "largest JSON schema / regex / EBNF grammar in characters",
+    ),
+    "--max-schema-depth": ("max_schema_depth", int, "deepest JSON nesting of a schema"),
+    "--max-schema-nodes": ("max_schema_nodes", int, "most JSON values in a schema"),
+    "--max-logit-bias": ("max_logit_bias", int, "most logit_bias entries per request"),
+    "--max-queued-requests": (
+        "max_queued_requests",
+        int,
+        "most prompts waiting for admission; past it requests get 503 with Retry-After",
+    ),
+    "--request-timeout": (
+        "request_timeout_s",
+        float,
+        "default per-request deadline in seconds (a request's `timeout` field overrides it); "
+        "past it the request is aborted and the client gets 408",
+    ),
+    "--shutdown-timeout": (
+        "shutdown_timeout_s",
+        float,
+        "on SIGTERM / Ctrl-C, seconds running requests get to finish before they are aborted",
+    ),
+}
+
+
+def _add_limit_args(group: argparse._ArgumentGroup, defaults: Any) -> None:
+    for flag, (name, typ, text) in _LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        group.add_argument(
+            flag, dest=name, type=typ, default=default, help=f"{text} (default: {default})"
+        )
 
 
 def server_config(args: argparse.Namespace) -> Any:
     from radixlm.server.serving import ServerConfig
 
     return ServerConfig(
+        **{name: getattr(args, name) for name, _, _ in _LIMIT_FLAGS.values()},
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -210,8 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(engine_kwargs(args), server_config(args), dp)
     from radixlm.server.launch import serve
 
-    serve(engine_kwargs(args), server_config(args))
-    return 0
+    return serve(engine_kwargs(args), server_config(args))
 
 
 def main(argv: list[str] | None = None) -> int:

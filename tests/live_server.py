@@ -30,13 +30,18 @@ class Server:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"}
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def info(self) -> dict[str, Any]:
-        r = httpx.get(f"{self.url}/get_server_info", headers=self.headers, timeout=30)
+        r = httpx.get(
+            f"{self.url}/get_server_info",
+            params={"check_integrity": "true"},
+            headers=self.headers,
+            timeout=30,
+        )
         r.raise_for_status()
         return r.json()
 
@@ -61,9 +66,15 @@ def free_port() -> int:
 
 @contextmanager
 def launch_server(
-    model_dir: Path, log_path: Path, api_key: str, extra_args: list[str]
+    model_dir: Path,
+    log_path: Path,
+    api_key: str,
+    extra_args: list[str],
+    entry: list[str] | None = None,
 ) -> Iterator[Server]:
-    """Start the server, wait for /health, yield it, and stop it (SIGTERM, then kill)."""
+    """Start the server, wait for /health, yield it, and stop it (SIGTERM, then kill).
+    `entry`: what follows the Python executable instead of `-m radixlm.cli` (a script that
+    wraps the CLI, e.g. with test hooks)."""
     port = free_port()
     env = {
         **os.environ,
@@ -73,7 +84,7 @@ def launch_server(
         "HF_HUB_OFFLINE": "1",
     }
     cmd = [
-        sys.executable, "-m", "radixlm.cli", "serve",
+        sys.executable, *(entry or ["-m", "radixlm.cli"]), "serve",
         "--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir),
         "--num-threads", "1", "--dtype", "float32", "--log-level", "warning", *extra_args,
     ]  # fmt: skip

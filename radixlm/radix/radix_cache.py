@@ -288,6 +288,10 @@ class RadixCache:
         self._num_nodes = 0
 
     # ------------------------------------------------------------------ introspection
+    def hit_counters(self) -> tuple[int, int]:
+        """``(hit_tokens, queried_tokens)`` since creation, O(1)."""
+        return self._hit_tokens, self._queried_tokens
+
     def stats(self) -> CacheStats:
         """Tree occupancy and cumulative hit statistics (``reset`` keeps these), O(1).
 

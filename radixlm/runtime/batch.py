@@ -69,3 +69,6 @@ class StepOutput:
     prompt_top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
+    # Per sample index: why sampling failed for that request alone (it is failed, the others
+    # in the step are not); its `token_ids` entry is meaningless.
+    errors: dict[int, str] = field(default_factory=dict)

@@ -30,6 +30,7 @@ import torch
 
 from radixlm.runtime.grammar import (
     GrammarManager,
+    GrammarTimeoutError,
     apply_token_bitmask,
     set_bitmask_bits,
 )
@@ -46,6 +47,8 @@ def take_compiled_grammar(req: Request) -> str | None:
     try:
         req.grammar = fut.result().new_matcher()
     except Exception as exc:  # noqa: BLE001 - GrammarError, CancelledError: this request only
+        timed_out = isinstance(exc, GrammarTimeoutError)
+        req.error_code = "grammar_timeout" if timed_out else "grammar_error"
         return str(exc) or f"grammar compilation failed: {type(exc).__name__}"
     return None
 

@@ -24,6 +24,7 @@ import torch
 from radixlm.config import EngineConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.errors import EngineDeadError, RequestValidationError
 from radixlm.runtime.executor import Executor
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.observe import EngineSnapshot, SnapshotOptions, take_snapshot
@@ -97,6 +98,9 @@ class Engine:
         self._grammar: GrammarManager | None = None
         self._grammar_lock = threading.Lock()
         self._stopped = threading.Event()
+        # The exception that killed the step thread (None while it lives): `submit` refuses,
+        # `healthy` is False, and the server's /health fails and the process exits non-zero.
+        self.dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
         self._thread.start()
 
@@ -105,8 +109,11 @@ class Engine:
         starts the other ranks and runs every forward on all of them)."""
         cfg = self.config
         args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
+        from radixlm.runtime.models.loader import context_length
+
+        max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
         if cfg.tp_size == 1:
-            return ModelRunner(*args, cfg.scheduler.max_model_len, model_info=self.model_info)
+            return ModelRunner(*args, max_len, model_info=self.model_info)
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
 
@@ -115,9 +122,7 @@ class Engine:
         )
         if cfg.node_rank != 0:
             raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
-        return TensorParallelRunner(
-            *args, cfg.scheduler.max_model_len, dist, num_threads=cfg.num_threads
-        )
+        return TensorParallelRunner(*args, max_len, dist, num_threads=cfg.num_threads)
 
     @property
     def tp_size(self) -> int:
@@ -126,15 +131,16 @@ class Engine:
     # ---- submission ---------------------------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt; a sequence of ids is returned as a list of ints (their
+        range is checked by `submit`)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids out of range [0, {self.runner.vocab_size}): {bad[:5]}"
-            )
-        return ids
+        try:
+            return [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestValidationError(
+                "prompt must be a str or a sequence of token ids", "prompt"
+            ) from None
 
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
@@ -182,17 +188,19 @@ class Engine:
         request_id: str | None = None,
         namespace: Hashable | None = None,
     ) -> str:
-        """Queue one request (all `params.n` branches); outputs go to `sink` on the loop thread."""
-        if self._stopped.is_set():
-            raise RuntimeError("engine is shut down")
+        """Queue one request (all `params.n` branches); outputs go to `sink` on the loop thread.
+
+        The one validation point: everything that can reach the step loop (token ids, stop
+        token ids, logit bias ids, prompt length, the constraint) is checked here, and a problem
+        raises `RequestValidationError` (a `ValueError` naming the field) with nothing queued.
+        Raises `EngineDeadError` when the engine is shut down or its thread died. Validating a
+        constraint may take a while (schema checks, regex parsing): call off an event loop.
+        """
+        if self._stopped.is_set() or self.dead is not None:
+            raise EngineDeadError(self._dead_message())
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must contain at least one token")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}"
-            )
+        self._validate(ids, params)
         req = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=ids,
@@ -201,13 +209,47 @@ class Engine:
             namespace=namespace,
         )
         if params.constraint is not None:
-            mgr = self.grammar_manager
-            mgr.validate(params.constraint)  # GrammarError (a ValueError) names the problem
+            try:
+                mgr = self.grammar_manager
+                mgr.validate(params.constraint)
+            except RecursionError:
+                raise RequestValidationError(
+                    "constraint: nested too deeply to check", "constraint"
+                ) from None
+            except ValueError as exc:  # GrammarError, or the backend is not installed
+                raise RequestValidationError(str(exc), "constraint") from exc
             req.grammar_future = mgr.submit(params.constraint)
             req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None)))
         self.processor.init_request(req)
         self._inbox.put(("add", req))
         return req.request_id
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        if not ids:
+            raise RequestValidationError("prompt must contain at least one token", "prompt")
+        for name, values in (
+            ("prompt", ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+        ):
+            bad = [t for t in values if not 0 <= t < vocab]
+            if bad:
+                raise RequestValidationError(
+                    f"{name}: token ids out of range [0, {vocab}): {bad[:5]}", name
+                )
+        if len(ids) >= self.max_model_len:
+            raise RequestValidationError(
+                f"prompt has {len(ids)} tokens; the maximum context length is "
+                f"{self.max_model_len} (prompt + at least one generated token)",
+                "prompt",
+                code="context_length_exceeded",
+            )
+
+    @property
+    def num_queued(self) -> int:
+        """Requests submitted and not yet running (O(1), no lock: a momentary estimate)."""
+        return self._inbox.qsize() + len(self.scheduler.waiting)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -302,31 +344,43 @@ class Engine:
 
     # ---- control ------------------------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """The step thread is alive and the engine is not shut down."""
+        return self.dead is None and not self._stopped.is_set() and self._thread.is_alive()
+
+    def _dead_message(self) -> str:
+        if self.dead is not None:
+            return f"the engine died: {type(self.dead).__name__}: {self.dead}"
+        return "engine is shut down"
+
     def stats(self) -> EngineStats:
-        with self._lock:
-            s = self.scheduler
-            g = self.processor.grammar
-            cs = self.cache.stats()
-            return EngineStats(
-                num_running=len(s.running),
-                num_waiting=len(s.waiting),
-                kv_pages_total=self.pool.num_pages,
-                kv_pages_used=self.pool.num_held,
-                kv_pages_cached=self.pool.num_cached,
-                kv_pages_free=self.pool.num_free,
-                page_size=self.pool.page_size,
-                cache_hit_tokens=cs.hit_tokens,
-                cache_queried_tokens=cs.queried_tokens,
-                cache_hit_rate=cs.hit_rate,
-                prompt_tokens=s.total_prompt_tokens,
-                computed_prompt_tokens=s.total_computed_prompt_tokens,
-                generated_tokens=s.total_generated_tokens,
-                num_retractions=s.num_retractions,
-                num_forwards=s.num_forwards,
-                num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
-                last_step_tokens=s.last_step.num_tokens,
-                last_step_seconds=s.last_step.step_seconds,
-            )
+        """O(1) reads of counters the engine keeps, without the engine lock: a scrape never
+        waits for (or slows) a step. Fields are read one by one, so a snapshot taken during a
+        step may mix before/after values."""
+        s = self.scheduler
+        g = self.processor.grammar
+        hit, queried = self.cache.hit_counters()
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_pages_total=self.pool.num_pages,
+            kv_pages_used=self.pool.num_held,
+            kv_pages_cached=self.pool.num_cached,
+            kv_pages_free=self.pool.num_free,
+            page_size=self.pool.page_size,
+            cache_hit_tokens=hit,
+            cache_queried_tokens=queried,
+            cache_hit_rate=hit / queried if queried else 0.0,
+            prompt_tokens=s.total_prompt_tokens,
+            computed_prompt_tokens=s.total_computed_prompt_tokens,
+            generated_tokens=s.total_generated_tokens,
+            num_retractions=s.num_retractions,
+            num_forwards=s.num_forwards,
+            num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
+            last_step_tokens=s.last_step.num_tokens,
+            last_step_seconds=s.last_step.step_seconds,
+        )
 
     def snapshot(self, options: SnapshotOptions | None = None) -> EngineSnapshot:
         """A live-view snapshot (see `radixlm.runtime.observe`): O(summary size) under the
@@ -380,6 +434,31 @@ class Engine:
 
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - recorded; the server exits non-zero
+            self.dead = exc
+            logger.critical("the engine thread died", exc_info=exc)
+            self._fail_everything(f"the engine died: {type(exc).__name__}: {exc}")
+
+    def _fail_everything(self, message: str) -> None:
+        """Best effort after the thread died: tell every queued and running request."""
+        try:
+            while True:
+                kind, arg = self._inbox.get_nowait()
+                if kind == "add":
+                    self.processor.fail(arg, message)
+        except queue.Empty:
+            pass
+        except Exception:  # noqa: BLE001
+            logger.exception("could not fail the queued requests")
+        try:
+            self.scheduler.fail_all(message)
+            self.processor.drain()
+        except Exception:  # noqa: BLE001
+            logger.exception("could not fail the running requests")
+
+    def _run(self) -> None:
         while not self._stopped.is_set():
             # NOTE: requests waiting only for a grammar compile do not spin the loop; the
             # compile's completion puts a "wake" command in the inbox.
@@ -415,7 +494,9 @@ class Engine:
         try:
             self.core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-            logger.exception("engine step failed; failing the affected requests")
+            # NOTE: the core fails a failed batch's own requests; what reaches here failed
+            # outside any batch (scheduling itself): nothing to attribute it to.
+            logger.exception("scheduling failed; failing every request")
             self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")
             self.processor.drain()
 

@@ -9,6 +9,7 @@ so a decode step does not rebuild its metadata from Python lists.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from radixlm.runtime.batch import ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
 from radixlm.runtime.sampler import Sampler, SamplingBatchInfo, min_tokens_suppress_ids
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,7 +150,21 @@ class Executor:
         t1 = time.perf_counter()
         prompt_lps, prompt_tops = self._prompt_logprobs(batch, logits, lp_positions)
         rows = [sample_row[s.item] for s in batch.samples]
-        token_ids, logprobs = self._sample([s.req for s in batch.samples], logits, rows)
+        reqs = [s.req for s in batch.samples]
+        errors: dict[int, str] = {}
+        try:
+            token_ids, logprobs = self._sample(reqs, logits, rows)
+        except Exception:  # noqa: BLE001 - find the request(s) that cause it
+            logger.exception("batched sampling failed; sampling each request alone")
+            token_ids, logprobs = [], []
+            for i, req in enumerate(reqs):
+                try:
+                    [tok], [lp] = self._sample([req], logits, [rows[i]])
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    errors[i] = f"internal error in sampling: {exc!r}"
+                    tok, lp = -1, None
+                token_ids.append(tok)
+                logprobs.append(lp)
         return StepOutput(
             token_ids=token_ids,
             logprobs=logprobs,
@@ -155,7 +172,14 @@ class Executor:
             prompt_top_logprobs=prompt_tops,
             forward_seconds=t1 - t0,
             sample_seconds=time.perf_counter() - t1,
+            errors=errors,
         )
+
+    def probe(self, batch: ScheduledBatch) -> None:
+        """Only the forward of `batch` (no sampling, no page copies, nothing recorded): to
+        find which request makes a failed step fail. Raises what the forward raises."""
+        fb, _, _ = build_forward_batch(batch, self.page_table, self.runner.page_size, self.device)
+        self.runner.forward(fb)
 
     @staticmethod
     def _prompt_logprobs(

@@ -13,8 +13,9 @@ request. Logprobs are the raw model's (before the grammar mask); forced tokens r
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, stop_token_hit
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
 from radixlm.runtime.sampler import make_generator
+
+logger = logging.getLogger(__name__)
 
 
 class OutputProcessor:
@@ -80,18 +83,37 @@ class OutputProcessor:
     # ---- per step ------------------------------------------------------------------------------
 
     def append(
-        self, reqs: Sequence[Request], token_ids: Sequence[int], logprobs: Sequence[Any]
+        self,
+        reqs: Sequence[Request],
+        token_ids: Sequence[int],
+        logprobs: Sequence[Any],
+        errors: Mapping[int, str] | None = None,
     ) -> list[Request]:
         """Append each request's sampled token (constrained ones: accept it in the grammar and
         jump forward), run the stop checks, detokenize, queue one delta per request; return the
-        finished ones. `logprobs[i]` is a `TokenLogprob` or None."""
+        finished ones. `logprobs[i]` is a `TokenLogprob` or None.
+
+        Faults are attributed to one request: `errors[i]` (sampling failed for request i) fails
+        request i, and an exception while appending one request's token (grammar, detokenizer,
+        stop checks) fails that request only. Failed requests are returned with the finished
+        ones, so the scheduler releases their pages."""
+        errors = errors or {}
         finished = []
         now = time.monotonic()
-        for req, tok, lp in zip(reqs, token_ids, logprobs):
-            if req.grammar is None:
-                done = self._append_sampled(req, tok, lp, now)
-            else:
-                done = self._append_constrained(req, tok, lp, now)
+        for i, (req, tok, lp) in enumerate(zip(reqs, token_ids, logprobs)):
+            if i in errors:
+                self.fail(req, errors[i])
+                finished.append(req)
+                continue
+            try:
+                if req.grammar is None:
+                    done = self._append_sampled(req, tok, lp, now)
+                else:
+                    done = self._append_constrained(req, tok, lp, now)
+            except Exception as exc:  # noqa: BLE001 - grammar / detokenizer: this request only
+                logger.exception("request %s failed while appending a token", req.request_id)
+                self.fail(req, f"internal error in output processing: {exc!r}")
+                done = True
             if done:
                 finished.append(req)
         return finished
@@ -180,14 +202,18 @@ class OutputProcessor:
             branch = self.make_branch(req, index=k + 1)
             branch.num_cached_tokens = req.num_cached_tokens
             branch.error = req.error
+            branch.error_code = req.error_code
             branch.status = RequestStatus.FINISHED
             branch.finish_reason = reason
             branch.finish_time = req.finish_time
             self._queue(branch, "")
         req.pending_forks = 0
 
-    def fail(self, req: Request, message: str) -> None:
+    def fail(self, req: Request, message: str, code: str | None = None) -> None:
+        """Finish `req` with an error (and a machine-readable `code`; `req.error_code` if
+        already set, else "internal")."""
         req.error = message
+        req.error_code = code or req.error_code or "internal"
         self.finish(req, "error")
 
     def _queue(self, req: Request, text: str) -> None:
@@ -213,6 +239,7 @@ class OutputProcessor:
                     finish_reason=req.finish_reason if finished else None,
                     stop_reason=req.stop_reason if finished else None,
                     error=req.error,
+                    error_code=req.error_code,
                     prompt_tokens=req.num_prompt_tokens,
                     cached_tokens=req.num_cached_tokens,
                     completion_tokens=req.num_output_tokens,

@@ -30,6 +30,7 @@ class Completion:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    error_code: str | None = None  # machine-readable cause of an "error" finish
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
@@ -45,6 +46,7 @@ class Completion:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
             self.error = delta.error
+            self.error_code = delta.error_code
 
 
 def sglang_finish_reason(

@@ -56,6 +56,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
+    # Why an "error" finish happened: "grammar_timeout", "grammar_error", "internal", ...
+    error_code: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -87,6 +89,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None
     num_cached_tokens: int = 0  # prefix-cache hit of the first admission (reported in usage)
     admitted_once: bool = False
     num_retractions: int = 0

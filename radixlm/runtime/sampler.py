@@ -3,8 +3,8 @@ logprobs.
 
 Order of operations (vLLM):
 
-1. ``vocab_mask`` (grammar) and ``suppress_token_ids`` (``min_new_tokens``) set banned logits to
-   ``-inf``;
+1. ``logit_bias`` is added; ``vocab_mask`` (grammar) and ``suppress_token_ids``
+   (``min_new_tokens``) set banned logits to ``-inf``;
 2. repetition (prompt + output tokens), frequency and presence (output tokens) penalties;
 3. greedy rows take the argmax of these logits;
 4. the other rows: divide by temperature, drop tokens below ``min_p * max_prob``, then keep the
@@ -78,6 +78,10 @@ class SamplingBatchInfo:
     top_k_list: list[int]  # == top_ks, on the CPU
     top_p_list: list[float]  # == top_ps, on the CPU
     suppress_token_ids: list[list[int]] | None = None
+    # Sparse logit bias: logits[bias_rows[j], bias_tokens[j]] += bias_values[j].
+    bias_rows: Tensor | None = None  # [N] int64
+    bias_tokens: Tensor | None = None  # [N] int64
+    bias_values: Tensor | None = None  # [N] float32
     repetition_penalties: Tensor | None = None  # [B] float32, None unless a row needs penalties
     frequency_penalties: Tensor | None = None  # [B] float32
     presence_penalties: Tensor | None = None  # [B] float32
@@ -151,6 +155,15 @@ class SamplingBatchInfo:
         )
         if any(p.needs_penalties for p in params):
             info._set_penalties(params, prompt_ids, output_ids, device)
+        if any(p.logit_bias for p in params):
+            pairs = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+            info.bias_rows = torch.tensor(
+                [r for r, _, _ in pairs], dtype=torch.int64, device=device
+            )
+            info.bias_tokens = torch.tensor(
+                [t for _, t, _ in pairs], dtype=torch.int64, device=device
+            )
+            info.bias_values = f32([b for _, _, b in pairs])
         return info
 
     def _set_penalties(
@@ -340,7 +353,12 @@ class Sampler:
 
     @staticmethod
     def _mask(x: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None) -> Tensor:
-        """Out of place: disallowed (``vocab_mask``) and suppressed tokens become -inf."""
+        """Out of place: ``logit_bias`` is added, then disallowed (``vocab_mask``) and
+        suppressed tokens become -inf."""
+        if info.bias_rows is not None:
+            assert info.bias_tokens is not None and info.bias_values is not None
+            values = info.bias_values.to(x.dtype)
+            x = x.index_put((info.bias_rows, info.bias_tokens), values, accumulate=True)
         if vocab_mask is not None:
             x = x.masked_fill(~vocab_mask, -torch.inf)  # [B, V]
         if info.suppress_token_ids is not None:

@@ -8,6 +8,8 @@ Invariants after ``__post_init__`` (a ``SamplingParams`` is frozen, so they hold
 - ``stop_regex`` is a tuple of at most ``MAX_STOP_REGEX`` patterns that compile with ``re``
   and match no empty string (``compiled_stop_regex`` holds them compiled);
 - ``top_logprobs > 0`` implies ``logprobs`` (normalized to ``True``);
+- ``logit_bias`` is a tuple of ``(token_id >= 0, bias in [-100, 100])`` pairs sorted by id (a
+  mapping is converted); ids are checked against the vocabulary by ``Engine.submit``;
 - ``constraint`` is None or a ``Constraint`` (a mapping of ``Constraint.from_params`` keywords,
   e.g. ``{"json_schema": schema}``, is converted); its deeper checks (metaschema, unsupported
   keywords, regex syntax) happen in ``Engine.submit``, which knows the grammar backend.
@@ -85,6 +87,8 @@ class SamplingParams:
     n: int = 1
     include_stop_str_in_output: bool = False
     constraint: Constraint | None = None
+    # Added to the logits before sampling (OpenAI `logit_bias`); -100 effectively bans a token.
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
     # Prompt logprobs (SGLang's name): >= 0 returns, for each prompt position i >= this, the
     # logprob of prompt token i given the tokens before it. -1: off.
     logprob_start_len: int = -1
@@ -116,6 +120,7 @@ class SamplingParams:
         set_(self, "stop", self._normalize_stop(self.stop))
         set_(self, "stop_regex", self._normalize_stop_regex(self.stop_regex))
         set_(self, "stop_token_ids", self._normalize_stop_token_ids(self.stop_token_ids))
+        set_(self, "logit_bias", self._normalize_logit_bias(self.logit_bias))
         for name in ("ignore_eos", "skip_special_tokens", "logprobs", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
         top_lp = _check_int("top_logprobs", self.top_logprobs)
@@ -185,6 +190,28 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must contain ints >= 0, got {ids!r}")
         return out
+
+    @staticmethod
+    def _normalize_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+        if value is None:
+            return ()
+        items = value.items() if isinstance(value, Mapping) else value
+        out: dict[int, float] = {}
+        try:
+            pairs = [tuple(p) for p in items]
+        except TypeError:
+            raise ValueError(f"logit_bias must map token ids to floats, got {value!r}") from None
+        for pair in pairs:
+            if len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to floats, got {value!r}")
+            tok = _check_int("logit_bias", pair[0])
+            bias = _check_float("logit_bias", pair[1])
+            if tok < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {tok}: {bias}"
+                )
+            out[tok] = bias
+        return tuple(sorted(out.items()))
 
     @staticmethod
     def _normalize_constraint(value: Any) -> Constraint | None:

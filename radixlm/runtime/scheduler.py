@@ -85,16 +85,8 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        if req.num_tokens == 0:
-            self.processor.fail(req, "prompt must contain at least one token")
-            return
-        if req.num_tokens >= self.max_model_len:
-            self.processor.fail(
-                req,
-                f"prompt has {req.num_tokens} tokens; the maximum context length is "
-                f"{self.max_model_len} (prompt + at least one generated token)",
-            )
-            return
+        """Queue a request `Engine.submit` has validated (ids in range, prompt non-empty and
+        shorter than `max_model_len`)."""
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
@@ -374,7 +366,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
         appended = self.processor.num_output_tokens
         finished = self.processor.append(
-            [s.req for s in batch.samples], out.token_ids, out.logprobs
+            [s.req for s in batch.samples], out.token_ids, out.logprobs, out.errors
         )
         self.total_generated_tokens += self.processor.num_output_tokens - appended
         if finished:
@@ -415,6 +407,55 @@ class Scheduler:
             self._release(req)
         if reason is not None:
             self.processor.finish(req, reason)
+
+    def fail_request(self, req: Request, message: str) -> None:
+        """Fail one request wherever it is and release its pages (not cached: its latest KV
+        writes are not trusted)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self.processor.fail(req, message)
+
+    def fail_batch(self, batch: ScheduledBatch, message: str) -> None:
+        """After an exception in a step: fail the requests of that step (their state is not
+        trusted), forked branches included; the others keep running. If the page accounting
+        is broken anyway, fail everything (last resort)."""
+        reqs = [i.req for i in batch.items] + [child for _, child, _ in batch.forks]
+        for req in reqs:
+            if req.status is not RequestStatus.FINISHED:
+                self.fail_request(req, message)
+        try:
+            self.check_integrity()
+        except AssertionError:
+            logger.exception("KV page accounting broken after a failed step; failing everything")
+            self.fail_all(message)
+
+    def without(
+        self, batch: ScheduledBatch, culprits: list[Request], message: str
+    ) -> ScheduledBatch:
+        """Fail `culprits` (and the branches they forked this step) and return `batch` without
+        them: their items, sample slots, forks and page copies dropped, item indices remapped."""
+        bad = {id(r) for r in culprits}
+        for parent, child, _ in batch.forks:
+            if id(parent) in bad:
+                bad.add(id(child))
+        kept = [k for k, item in enumerate(batch.items) if id(item.req) not in bad]
+        remap = {old: new for new, old in enumerate(kept)}
+        out = ScheduledBatch([batch.items[k] for k in kept])
+        out.samples = [
+            SampleSlot(s.req, remap[s.item])
+            for s in batch.samples
+            if s.item in remap and id(s.req) not in bad
+        ]
+        out.forks = [f for f in batch.forks if id(f[1]) not in bad]
+        dsts = {dst for _, _, dst in out.forks if dst is not None}
+        out.page_copies = [c for c in batch.page_copies if c[1] in dsts]
+        for req in [i.req for i in batch.items] + [child for _, child, _ in batch.forks]:
+            if id(req) in bad and req.status is not RequestStatus.FINISHED:
+                self.fail_request(req, message)
+        return out
 
     def fail_all(self, message: str) -> None:
         """After an internal error: fail every request and release its pages (no caching: the

@@ -14,14 +14,16 @@ import radixlm
 from radixlm.runtime.engine import Engine
 from radixlm.server import dashboard, native_api, openai_api, router_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
+from radixlm.server.limits import BodyGuard
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# Open without a key: liveness probes and scrapers (SGLang does the same), and the dashboard's
-# page and static files (its data stream needs the key: `dashboard.is_public`).
-PUBLIC_PATHS = ("/health", "/metrics")
+# Open without a key: liveness probes and scrapers (SGLang and vLLM do the same), and the
+# dashboard's page and static files (its data stream needs the key: `dashboard.is_public`).
+# Exact paths: `/health_generate` runs a generation and needs the key.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
 class ApiKeyMiddleware:
@@ -37,7 +39,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if path.startswith(PUBLIC_PATHS) or dashboard.is_public(path):
+        if path in PUBLIC_PATHS or dashboard.is_public(path):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -79,6 +81,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     )
     app.include_router(dashboard.router)
     app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
+    # NOTE: the last middleware added runs first: the key is checked before a body is read.
+    app.add_middleware(BodyGuard, max_body_bytes=config.max_body_bytes)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -9,13 +9,15 @@ explicit `json_schema.strict: false`) asks for best-effort decoding of schema ke
 backend cannot enforce; `grammar_whitespace` (`"compact"`, the default, or `"any"`) controls
 whitespace in generated JSON.
 
-Every problem is a 400 naming the API field: malformed (`make_constraint`, no engine needed),
-then invalid / unsupported for the engine's grammar backend (`check_constraint`, off the event
-loop; the message lists unsupported schema keywords and where they are).
+Every problem is a 400 naming the API field: too large (`radixlm.server.limits`), malformed
+(`make_constraint`, no engine needed), then invalid / unsupported for the engine's grammar
+backend (`Engine.submit`, run off the event loop; the message lists unsupported schema keywords
+and where they are).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -93,16 +95,27 @@ def make_constraint(
     return RequestConstraint(c, param)
 
 
-async def check_constraint(engine: Engine, rc: RequestConstraint | None) -> None:
-    """Validate against the engine's grammar backend in a worker thread: a 400 naming the
-    field for an invalid schema / regex / grammar or unsupported schema keywords."""
-    if rc is None:
-        return
+async def check_constraint(engine: Engine, rc: RequestConstraint) -> None:
+    """Validate a constraint that is not submitted as it is (a tool's parameter schema; the
+    submitted constraint is validated by `Engine.submit`): off the event loop, bounded by the
+    engine's grammar timeout; a 400 naming the field, or a 503 past the timeout."""
+    limit = engine.config.grammar_timeout_s
 
     def validate() -> None:
         engine.grammar_manager.validate(rc.constraint)
 
     try:
-        await run_in_threadpool(validate)
+        await asyncio.wait_for(run_in_threadpool(validate), limit)
+    except asyncio.TimeoutError:
+        raise ApiError(
+            f"{rc.param}: checking the constraint took longer than {limit:g} s "
+            "(--grammar-timeout-s); simplify it",
+            param=rc.param,
+            status_code=503,
+            code="grammar_timeout",
+            headers={"Retry-After": "1"},
+        ) from None
+    except RecursionError:
+        raise ApiError(f"{rc.param}: nested too deeply", param=rc.param) from None
     except ValueError as exc:  # GrammarError, or the backend is not installed
         raise ApiError(f"{rc.param}: {exc}", param=rc.param) from exc

@@ -40,6 +40,7 @@ class ApiError(Exception):
         status_code: int = 400,
         code: str | None = None,
         err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -47,12 +48,13 @@ class ApiError(Exception):
         self.status_code = status_code
         self.code = code
         self.err_type = err_type or _default_type(status_code)
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
 
     def response(self) -> OrjsonResponse:
-        return OrjsonResponse(self.body(), status_code=self.status_code)
+        return OrjsonResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def _default_type(status_code: int) -> str:
@@ -60,6 +62,8 @@ def _default_type(status_code: int) -> str:
         return "authentication_error"
     if status_code == 404:
         return "not_found_error"
+    if status_code == 503:
+        return "overloaded_error"
     if status_code >= 500:
         return "internal_server_error"
     return "invalid_request_error"

@@ -1,6 +1,6 @@
 """SGLang-native endpoints: `/generate`, `/encode`, `/get_model_info` (`/model_info`),
-`/get_server_info` (`/server_info`), `/health`, `/health_generate`, `/flush_cache`,
-`/abort_request`, and `/metrics`.
+`/get_server_info` (the flat `/server_info` is in `router_api`), `/health`, `/health_generate`,
+`/flush_cache`, `/abort_request`, and `/metrics`.
 
 `/generate` follows SGLang 0.5.x so that SGLang's own frontend (`sglang.RuntimeEndpoint`) and
 radixlm's DSL can talk to it: the body takes `text` or `input_ids` (one prompt or a batch) and
@@ -38,13 +38,14 @@ from starlette.responses import Response
 
 from radixlm.runtime.outputs import Completion, sglang_finish_reason
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.server.constraints import (
-    RequestConstraint,
-    check_constraint,
-    grammar_backend,
-    make_constraint,
-)
+from radixlm.server.constraints import RequestConstraint, grammar_backend, make_constraint
 from radixlm.server.errors import ApiError, OrjsonResponse
+from radixlm.server.limits import (
+    check_constraint_size,
+    check_logit_bias,
+    check_stop,
+    check_top_logprobs,
+)
 from radixlm.server.metrics import CONTENT_TYPE
 from radixlm.server.protocol import (
     NATIVE_DEFAULT_ONLY,
@@ -103,6 +104,13 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         _refuse_non_defaults(sp, prefix=f"{_SP}.")
     lps = _logprob_args(body, plist)
     rids = _rids(client, body.rid, len(prompts))
+    for lp in lps:
+        check_top_logprobs(lp.top, client.config.max_top_logprobs, "top_logprobs_num")
+    names = {
+        "prompt": prompt_param,
+        "stop_token_ids": f"{_SP}.stop_token_ids",
+        "logit_bias": f"{_SP}.logit_bias",
+    }
     reqs = []
     for prompt, sp, lp, rid in zip(prompts, plist, lps, rids):
         ids = await client.tokenize(prompt, prompt_param)
@@ -113,15 +121,14 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
                 f"({len(ids)})",
                 param="logprob_start_len",
             )
-        constraint = _constraint(sp)
-        await check_constraint(client.engine, constraint)
+        constraint = _constraint(client, sp)
         max_new = sp.max_new_tokens
         if max_new is None:  # SGLang: up to the context length
             max_new = max(client.engine.max_model_len - len(ids), 1)
-        params = _params(sp, max(max_new, 1), lp, constraint)
+        params = _params(client, sp, max(max_new, 1), lp, constraint)
         client.check_length(ids, max(max_new, 1), prompt_param, f"{_SP}.max_new_tokens")
-        reqs.append(GenerationRequest(ids, params, rid, constraint))
-    group = client.submit(reqs)
+        reqs.append(GenerationRequest(ids, params, rid, constraint, names))
+    group = await client.submit(reqs, body.timeout)
     start = time.perf_counter()
 
     def build(outs: list[list[Completion]]) -> Any:
@@ -202,10 +209,12 @@ def _logprob_args(body: GenerateReqInput, plist: list[NativeSamplingParams]) -> 
 
 
 def _rids(client: EngineClient, rid: str | list[str] | None, count: int) -> list[str]:
+    """One id per prompt: the client's list, or `rid` / `rid-k` for a batch (uniqueness
+    against the requests in flight is checked at submission)."""
     if isinstance(rid, list):
         if len(rid) != count or len(set(rid)) != count:
             raise ApiError(f"rid: need {count} distinct request ids, got {rid!r}", param="rid")
-        return [client.new_request_id("", r) for r in rid]
+        return list(rid)
     base = client.new_request_id("", rid)
     return [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
 
@@ -215,11 +224,15 @@ def _or(value: T | None, default: T) -> T:
 
 
 def _params(
+    client: EngineClient,
     sp: NativeSamplingParams,
     max_new_tokens: int,
     lp: _LogprobArgs,
     constraint: RequestConstraint | None,
 ) -> SamplingParams:
+    cfg = client.config
+    check_stop(sp.stop, cfg.max_stop_strings, cfg.max_stop_chars, f"{_SP}.stop")
+    bias = check_logit_bias(sp.logit_bias, cfg.max_logit_bias, f"{_SP}.logit_bias")
     names = {f.name: f"{_SP}.{f.name}" for f in dataclasses.fields(SamplingParams)}
     seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
     return sampling_params(
@@ -244,11 +257,21 @@ def _params(
         logprobs=lp.enabled,
         top_logprobs=lp.top,
         logprob_start_len=lp.start,
+        logit_bias=bias,
         constraint=constraint.constraint if constraint else None,
     )
 
 
-def _constraint(sp: NativeSamplingParams) -> RequestConstraint | None:
+def _constraint(client: EngineClient, sp: NativeSamplingParams) -> RequestConstraint | None:
+    cfg = client.config
+    for kind in ("json_schema", "regex", "ebnf"):
+        check_constraint_size(
+            getattr(sp, kind),
+            f"{_SP}.{kind}",
+            cfg.max_constraint_chars,
+            cfg.max_schema_depth,
+            cfg.max_schema_nodes,
+        )
     found = [
         make_constraint(
             kind,  # type: ignore[arg-type]
@@ -359,6 +382,9 @@ async def _stream(
             e2e = time.perf_counter() - start
             yield sse(_result(client, group, k, _visible(c, plist[k]), body, lps[k], e2e))
         yield SSE_DONE
+    except ApiError as err:  # the deadline passed (the group aborted the request)
+        yield sse(err.body())
+        yield SSE_DONE
     finally:
         group.close()
 
@@ -390,7 +416,13 @@ async def encode(body: EncodeReqInput, request: Request) -> Response:
 
 
 @router.get("/health")
-async def health() -> Response:
+async def health(request: Request) -> Response:
+    """200 while the engine's step thread lives; 503 once it died or the server is stopping."""
+    client = engine_client(request)
+    if not client.engine.healthy:
+        raise ApiError(client.engine._dead_message(), status_code=503, code="engine_unavailable")
+    if client.draining:
+        raise ApiError("the server is shutting down", status_code=503, code="shutting_down")
     return Response(status_code=200)
 
 
@@ -399,7 +431,7 @@ async def health_generate(request: Request) -> Response:
     """Generate one token end to end; 503 when the engine does not answer within 20 s."""
     client = engine_client(request)
     params = SamplingParams(max_new_tokens=1, temperature=0.0)
-    group = client.submit([GenerationRequest([0], params, f"health-{time.monotonic_ns()}")])
+    group = await client.submit([GenerationRequest([0], params, f"health-{time.monotonic_ns()}")])
     try:
         outs = await asyncio.wait_for(collect(group), timeout=20.0)
     except asyncio.TimeoutError:
@@ -413,31 +445,42 @@ async def health_generate(request: Request) -> Response:
 @router.get("/get_model_info")
 @router.get("/model_info")
 async def get_model_info(request: Request) -> Response:
+    """SGLang's model description (the router reads `model_type`, `architectures`, ...)."""
     client = engine_client(request)
+    engine = client.engine
+    info = engine.model_info
     return OrjsonResponse(
         {
-            "model_path": str(client.engine.model_dir),
-            "tokenizer_path": str(client.engine.model_dir),
+            "model_path": str(engine.model_dir),
+            "tokenizer_path": str(engine.model_dir),
             "served_model_name": client.model_name,
             "is_generation": True,
-            "max_model_len": client.engine.max_model_len,
-            "context_length": client.engine.max_model_len,
+            "model_type": info.model_type,
+            "architectures": [info.architecture],
+            "max_model_len": engine.max_model_len,
+            "context_length": engine.max_model_len,
+            "eos_token_ids": sorted(engine.eos_token_ids),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
             "preferred_sampling_params": None,
         }
     )
 
 
 @router.get("/get_server_info")
-@router.get("/server_info")
-def get_server_info(request: Request) -> Response:
-    """Server and engine configuration, engine stats, and a KV-accounting integrity check."""
+def get_server_info(request: Request, check_integrity: bool = False) -> Response:
+    """Server and engine configuration and engine stats: O(1) counters, no engine lock.
+    `?check_integrity=true` also runs the KV-accounting integrity check (O(pages), under the
+    engine lock: for tests and debugging, not for scrapers)."""
     client = engine_client(request)
     engine = client.engine
-    try:
-        engine.check_integrity()
-        integrity = "ok"
-    except AssertionError as exc:
-        integrity = f"failed: {exc}"
+    integrity = "not checked"
+    if check_integrity:
+        try:
+            engine.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = f"failed: {exc}"
     server = dataclasses.asdict(client.config)
     server["api_key"] = None if client.config.api_key is None else "***"
     return OrjsonResponse(
@@ -447,6 +490,7 @@ def get_server_info(request: Request) -> Response:
             "engine_stats": dataclasses.asdict(engine.stats()),
             "kv_integrity": integrity,
             "active_requests": len(client.active),
+            "engine_alive": engine.healthy,
             "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
         }

@@ -13,8 +13,15 @@ from starlette.responses import Response
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput, TokenLogprob
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
+from radixlm.server.constraints import RequestConstraint, make_constraint
 from radixlm.server.errors import ApiError, OrjsonResponse
+from radixlm.server.limits import (
+    check_constraint_size,
+    check_logit_bias,
+    check_prompt_chars,
+    check_stop,
+    check_top_logprobs,
+)
 from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from radixlm.server.serving import (
     SSE_DONE,
@@ -52,13 +59,20 @@ def _reject(cond: bool, param: str, message: str) -> None:
         raise ApiError(f"{param}: {message}", param=param, code="unsupported_parameter")
 
 
-async def _constraint(
+def _constraint(
     client: EngineClient, body: CompletionRequest | ChatCompletionRequest
 ) -> RequestConstraint | None:
-    """The request's constraint, validated for the engine's grammar backend (400s name the
-    field). Best effort: `grammar_best_effort`, or `response_format.json_schema.strict: false`."""
-    found = []
+    """The request's constraint, within the server's size limits (400s name the field); the
+    engine validates it for its grammar backend at submission. Best effort:
+    `grammar_best_effort`, or `response_format.json_schema.strict: false`."""
+    cfg = client.config
+    limits = (cfg.max_constraint_chars, cfg.max_schema_depth, cfg.max_schema_nodes)
     rf = body.response_format
+    if rf is not None and rf.json_schema is not None:
+        check_constraint_size(rf.json_schema.schema_, "response_format", *limits)
+    for name in ("regex", "ebnf"):
+        check_constraint_size(getattr(body, name), name, *limits)
+    found = []
     kw = {"best_effort": body.grammar_best_effort, "whitespace": body.grammar_whitespace}
     if rf is not None and rf.type == "json_object":
         found.append(make_constraint("json_object", "", "response_format", **kw))
@@ -76,12 +90,11 @@ async def _constraint(
         raise ApiError(
             "only one of response_format (json), regex and ebnf may be given", param=found[1].param
         )
-    rc = found[0] if found else None
-    await check_constraint(client.engine, rc)
-    return rc
+    return found[0] if found else None
 
 
 def _params(
+    client: EngineClient,
     body: CompletionRequest | ChatCompletionRequest,
     names: dict[str, str],
     max_new_tokens: int,
@@ -89,7 +102,11 @@ def _params(
     top_logprobs: int,
     constraint: RequestConstraint | None,
 ) -> SamplingParams:
-    _reject(bool(body.logit_bias), "logit_bias", "not supported")
+    cfg = client.config
+    check_stop(body.stop, cfg.max_stop_strings, cfg.max_stop_chars, "stop")
+    lp_param = names.get("top_logprobs", "top_logprobs")
+    check_top_logprobs(top_logprobs, cfg.max_top_logprobs, lp_param)
+    bias = check_logit_bias(body.logit_bias, cfg.max_logit_bias, "logit_bias")
     return sampling_params(
         names,
         max_new_tokens=max_new_tokens,
@@ -110,15 +127,15 @@ def _params(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         n=body.n,
+        logit_bias=bias,
         constraint=constraint.constraint if constraint else None,
     )
 
 
 def _request_ids(client: EngineClient, prefix: str, rid: str | None, count: int) -> list[str]:
+    """One id per prompt: `rid`, or `rid-k` for a batch (uniqueness is checked at submission)."""
     base = client.new_request_id(prefix, rid)
-    if count == 1:
-        return [base]
-    return [client.new_request_id(prefix, f"{base}-{k}") for k in range(count)]
+    return [base] if count == 1 else [f"{base}-{k}" for k in range(count)]
 
 
 # ---- /v1/completions -----------------------------------------------------------------------------
@@ -136,8 +153,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             f"prompt: at most {client.config.max_batch_prompts} prompts per request", "prompt"
         )
     client.check_n(body.n)
-    constraint = await _constraint(client, body)
+    constraint = _constraint(client, body)
     params = _params(
+        client,
         body,
         COMPLETION_NAMES,
         body.max_tokens or 16,
@@ -150,9 +168,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     for prompt, rid in zip(prompts, rids):
         ids = await client.tokenize(prompt, "prompt")
         client.check_length(ids, params.max_new_tokens, "prompt", "max_tokens")
-        reqs.append(GenerationRequest(ids, params, rid, constraint))
+        reqs.append(GenerationRequest(ids, params, rid, constraint, {"prompt": "prompt"}))
     echo = [_echo_text(client, p) if body.echo else "" for p in prompts]
-    group = client.submit(reqs)
+    group = await client.submit(reqs, body.timeout)
     head = {"id": rids[0], "object": "text_completion", "created": int(time.time())}
     head["model"] = client.model_name
 
@@ -218,22 +236,34 @@ def _completion_logprobs(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client = engine_client(request)
     _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
+    _reject(
+        bool(body.add_generation_prompt) and body.continue_final_message,
+        "add_generation_prompt",
+        "cannot be true together with continue_final_message",
+    )
     client.check_n(body.n)
     tools = await tool_request(client, body)
-    constraint = tools.constraint if tools and tools.constraint else await _constraint(client, body)
+    constraint = tools.constraint if tools and tools.constraint else _constraint(client, body)
     messages = [_message_dict(m) for m in body.messages]
+    total = "".join(m["content"] for m in messages)
+    check_prompt_chars(total, client.max_prompt_chars, "messages")
+    add_prompt = body.add_generation_prompt
+    add_prompt = not body.continue_final_message if add_prompt is None else add_prompt
     prompt = await client.chat_prompt(
-        messages, body.continue_final_message, tools.tools if tools else None
+        messages, body.continue_final_message, tools.tools if tools else None, add_prompt
     )
     ids = await client.tokenize(prompt, "messages")
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    remaining = client.engine.max_model_len - len(ids)
+    remaining = max(client.engine.max_model_len - len(ids), 1)
     max_new = body.max_completion_tokens or body.max_tokens or remaining
     client.check_length(ids, max_new, "messages", limit_param)
     names = {**CHAT_NAMES, "max_new_tokens": limit_param}
-    params = _params(body, names, max_new, body.logprobs, body.top_logprobs or 0, constraint)
+    params = _params(
+        client, body, names, max_new, body.logprobs, body.top_logprobs or 0, constraint
+    )
     [rid] = _request_ids(client, "chatcmpl-", body.rid, 1)
-    group = client.submit([GenerationRequest(ids, params, rid, constraint)])
+    req = GenerationRequest(ids, params, rid, constraint, {"prompt": "messages"})
+    group = await client.submit([req], body.timeout)
     head = {"id": rid, "object": "chat.completion", "created": int(time.time())}
     head["model"] = client.model_name
     parse_calls = tools is not None and tools.parses_calls
@@ -359,6 +389,9 @@ async def _stream(
             yield sse({**head, "choices": [c], **_usage(group, opts)})
         if include_usage or continuous:
             yield sse({**head, "choices": [], "usage": group.usage()})
+        yield SSE_DONE
+    except ApiError as err:  # the deadline passed (the group aborted the request)
+        yield sse(err.body())
         yield SSE_DONE
     finally:
         group.close()

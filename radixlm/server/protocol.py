@@ -25,6 +25,7 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0)]
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
 Stop = str | list[str]
+Timeout = Annotated[float, Field(gt=0.0, le=86400.0)]
 
 
 class _Strict(BaseModel):
@@ -90,6 +91,9 @@ class _OpenAISampling(_Strict):
     grammar_best_effort: bool = False  # ignore schema keywords the backend cannot enforce
     grammar_whitespace: Literal["compact", "any"] = "compact"  # whitespace in generated JSON
     rid: str | None = None
+    # Deadline in seconds from submission (default: the server's --request-timeout); past it
+    # the request is aborted and answered 408.
+    timeout: Timeout | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -160,7 +164,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
+    # None: true unless continue_final_message (vLLM); both true is a 400.
+    add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -240,6 +245,7 @@ class GenerateReqInput(_Strict):
     # A router (smg) forwards SGLang's full request shape: `model` and these, at defaults.
     model: str | None = None
     no_logs: bool = False
+    timeout: Timeout | None = None  # deadline in seconds (default: --request-timeout)
     modalities: list[str] | None = None
     # Accepted only at their defaults (see NATIVE_DEFAULT_ONLY).
     input_embeds: Any = None
@@ -289,7 +295,6 @@ NATIVE_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
         "false is not supported (special tokens are decoded without spaces between them)",
     ),
     "sampling_params.beam_width": ((None, 1), "beam search is not supported"),
-    "sampling_params.logit_bias": ((None, {}), "logit_bias is not supported"),
     "sampling_params.custom_params": (
         (None, {}),
         "custom_params is not supported (no custom logit processors)",

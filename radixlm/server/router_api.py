@@ -149,30 +149,6 @@ async def server_info(request: Request) -> Response:
     )
 
 
-@router.get("/model_info")
-async def model_info(request: Request) -> Response:
-    client = _client(request)
-    engine = client.engine
-    info = engine.model_info
-    model_path = str(engine.model_dir)
-    return OrjsonResponse(
-        {
-            "model_path": model_path,
-            "tokenizer_path": model_path,
-            "served_model_name": client.model_name,
-            "is_generation": True,
-            "model_type": info.model_type,
-            "architectures": [info.architecture],
-            "context_length": engine.max_model_len,
-            "max_model_len": engine.max_model_len,
-            "eos_token_ids": sorted(engine.eos_token_ids),
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "preferred_sampling_params": None,
-        }
-    )
-
-
 @router.get("/v1/loads")
 async def loads(request: Request) -> Response:
     load = await _load(request)

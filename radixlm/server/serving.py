@@ -23,12 +23,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.grammar.base import GrammarError
+from radixlm.runtime.errors import EngineDeadError, RequestValidationError
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput
-from radixlm.runtime.sampling_params import MAX_N, SamplingParams
+from radixlm.runtime.sampling_params import MAX_N, MAX_TOP_LOGPROBS, SamplingParams
 from radixlm.server.constraints import RequestConstraint
 from radixlm.server.errors import ApiError, OrjsonResponse
+from radixlm.server.limits import check_prompt_chars
 from radixlm.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -46,22 +47,68 @@ class ServerConfig:
     max_batch_prompts: int = 64  # most prompts in one batched request
     log_level: str = "info"
     dashboard_show_text: bool = False  # /dashboard shows prompt text, not only token-id hashes
+    # ---- limits: each refusal is a 4xx naming the limit (and its flag)
+    max_body_bytes: int = 8 * 2**20  # request body; 413 past it, enforced while reading
+    max_prompt_chars: int | None = None  # before tokenizing; None: 16 x max_model_len
+    max_stop_strings: int = 16
+    max_stop_chars: int = 512  # length of one stop string
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_constraint_chars: int = 65536  # JSON schema text / regex / EBNF grammar
+    max_schema_depth: int = 32  # JSON nesting of a schema (objects and arrays)
+    max_schema_nodes: int = 4096  # JSON values in a schema
+    max_logit_bias: int = 300  # entries of logit_bias (OpenAI's limit)
+    # ---- overload and deadlines
+    max_queued_requests: int = 1024  # prompts submitted but not yet running; 503 past it
+    request_timeout_s: float | None = None  # default per-request deadline (`timeout` overrides)
+    shutdown_timeout_s: float = 30.0  # SIGTERM: running requests get this long to finish
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {self.max_n}")
         if self.max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {self.max_batch_prompts}")
+        if not 0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"max_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        positive = (
+            "max_body_bytes", "max_stop_strings", "max_stop_chars", "max_constraint_chars",
+            "max_schema_depth", "max_schema_nodes", "max_queued_requests", "max_logit_bias",
+        )  # fmt: skip
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
 
 
 @dataclass
 class GenerationRequest:
-    """One prompt, ready for `Engine.submit`."""
+    """One prompt, ready for `Engine.submit`. `names` maps the engine's field names in
+    `RequestValidationError.field` (`prompt`, `stop_token_ids`, `logit_bias`) to the API's."""
 
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
     constraint: RequestConstraint | None = None  # also in `params`; kept for error messages
+    names: dict[str, str] = field(default_factory=dict)
+
+    def api_error(self, exc: RequestValidationError) -> ApiError:
+        """The 400 for an engine validation error, naming the API's field."""
+        if exc.field == "constraint" and self.constraint is not None:
+            param = self.constraint.param
+        else:
+            param = self.names.get(exc.field, exc.field)
+        message = exc.message
+        if message.startswith(f"{exc.field}: "):
+            message = message[len(exc.field) + 2 :]
+        return ApiError(f"{param}: {message}", param=param, code=exc.code)
+
+
+class DeadlineExceeded(Exception):
+    """A request ran past its deadline (`timeout`); it has been aborted."""
 
 
 def sampling_params(names: dict[str, str], **kwargs: Any) -> SamplingParams:
@@ -102,33 +149,73 @@ class RequestGroup:
     idempotent; call it in a `finally`.
     """
 
-    def __init__(self, client: EngineClient, reqs: Sequence[GenerationRequest]) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        reqs: Sequence[GenerationRequest],
+        timeout_s: float | None = None,
+    ) -> None:
         self._client = client
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, float, RequestOutput]] = asyncio.Queue()
+        self.reqs = list(reqs)
         self.members: list[_Member] = []
         self.prompt_ids: list[list[int]] = [list(r.prompt_ids) for r in reqs]
         self._open = 0
-        for k, req in enumerate(reqs):
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._failure: ApiError | None = None
+        rids = [r.request_id for r in reqs]
+        taken = [rid for rid in rids if rid in client.active]
+        if taken or len(set(rids)) != len(rids):
+            rid = taken[0] if taken else next(r for r in rids if rids.count(r) > 1)
+            raise ApiError(f"rid: request id {rid!r} is already in use", param="rid")
+        # NOTE: ids are reserved before the first await: a concurrent request cannot take them.
+        for req in reqs:
             member = _Member(req.request_id, req.params.n, time.perf_counter())
             member.remaining = set(range(req.params.n))
             member.prompt_tokens = len(req.prompt_ids)
-            try:
-                client.engine.submit(
-                    req.prompt_ids,
-                    req.params,
-                    sink=partial(self._sink, k),
-                    request_id=req.request_id,
-                )
-            except ValueError as exc:
-                self.close()
-                rc = req.constraint
-                if isinstance(exc, GrammarError) and rc is not None:
-                    raise ApiError(f"{rc.param}: {exc}", param=rc.param) from exc
-                raise ApiError(str(exc)) from exc
             self.members.append(member)
             client.active[req.request_id] = self
             self._open += 1
+
+    async def start(self) -> None:
+        """Submit every prompt (validation with a constraint runs off the event loop, bounded by
+        the engine's grammar timeout). On any refusal, abort what was submitted and raise the
+        `ApiError`."""
+        try:
+            for k, req in enumerate(self.reqs):
+                await self._submit(k, req)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _submit(self, k: int, req: GenerationRequest) -> None:
+        engine = self._client.engine
+        call = partial(
+            engine.submit,
+            req.prompt_ids,
+            req.params,
+            sink=partial(self._sink, k),
+            request_id=req.request_id,
+        )
+        try:
+            if req.params.constraint is None:
+                call()
+            else:
+                await self._client.run_bounded(call, req.request_id)
+        except RequestValidationError as exc:
+            raise req.api_error(exc) from exc
+        except EngineDeadError as exc:
+            raise ApiError(str(exc), status_code=503, code="engine_unavailable") from exc
+
+    def fail(self, error: ApiError) -> None:
+        """End the group from the server side (shutdown, dead engine): abort what is
+        unfinished and make the consumer raise `error`."""
+        if self._failure is None and not self.done:
+            self._failure = error
+            self.close()
+            self._queue.put_nowait((-1, time.perf_counter(), None))  # type: ignore[arg-type]
 
     def _sink(self, k: int, out: RequestOutput) -> None:
         """Engine thread: hand the delta to the event loop."""
@@ -142,8 +229,28 @@ class RequestGroup:
         return self._open == 0
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        while self._open:
-            k, t, out = await self._queue.get()
+        """Deltas until every branch finished; past the deadline, abort everything unfinished
+        (its pages are freed) and raise `ApiError` 408 naming `timeout`."""
+        while self._open or self._failure is not None:
+            if self.deadline is None:
+                k, t, out = await self._queue.get()
+            else:
+                try:
+                    k, t, out = await asyncio.wait_for(
+                        self._queue.get(), max(self.deadline - time.monotonic(), 0.0)
+                    )
+                except asyncio.TimeoutError:
+                    self.close()
+                    raise ApiError(
+                        f"timeout: the request did not finish within its deadline of "
+                        f"{self.timeout_s:g} s and was aborted",
+                        param="timeout",
+                        status_code=408,
+                        code="request_timeout",
+                    ) from None
+            if k < 0:
+                assert self._failure is not None
+                raise self._failure
             member = self.members[k]
             if out.index not in member.remaining:
                 continue  # a sibling's abort delta after the group already finished it
@@ -211,6 +318,7 @@ def _synthetic_finish(out: RequestOutput, index: int) -> RequestOutput:
         finished=True,
         finish_reason=out.finish_reason,
         error=out.error,
+        error_code=out.error_code,
         prompt_tokens=out.prompt_tokens,
         cached_tokens=out.cached_tokens,
     )
@@ -224,26 +332,31 @@ class EngineClient:
         self.config = config
         self.metrics = metrics
         self.active: dict[str, RequestGroup] = {}
+        self.draining = False  # set on SIGTERM: new requests get 503
         self.model_name = config.served_model_name or _model_name(engine)
         self._token_text: dict[int, str] = {}
         self._template_tools: bool | None = None
 
     # ---- preparation --------------------------------------------------------------------------
 
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.config.max_prompt_chars or 16 * self.engine.max_model_len
+
     async def tokenize(self, prompt: str | Sequence[int], param: str) -> list[int]:
-        try:
-            ids = await run_in_threadpool(self.engine.tokenize, prompt)
-        except ValueError as exc:
-            raise ApiError(f"{param}: {exc}", param=param) from exc
-        if not ids:
-            raise ApiError(f"{param}: the prompt must contain at least one token", param=param)
-        return ids
+        """Token ids (text is tokenized in a worker thread after the `--max-prompt-chars`
+        check; ids are checked by `Engine.submit`)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        check_prompt_chars(prompt, self.max_prompt_chars, param)
+        return await run_in_threadpool(self.engine.tokenize, prompt)
 
     async def chat_prompt(
         self,
         messages: list[dict[str, Any]],
         continue_final: bool,
         tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
         """The prompt text of a chat request; `tools` (and earlier tool turns) are rendered by
         the model's template when it supports them, else as `radixlm.server.tools` documents."""
@@ -255,7 +368,7 @@ class EngineClient:
             return self.engine.tokenizer.apply_chat_template(
                 messages_for_template(messages, tools, native),
                 tokenize=False,
-                add_generation_prompt=not continue_final,
+                add_generation_prompt=add_generation_prompt and not continue_final,
                 continue_final_message=continue_final,
                 **kwargs,
             )
@@ -290,15 +403,9 @@ class EngineClient:
     def check_length(
         self, ids: list[int], max_new_tokens: int, prompt_param: str, param: str
     ) -> None:
+        """Prompt + completion within the context (the prompt alone is `Engine.submit`'s)."""
         limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise ApiError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{len(ids)} tokens.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        if len(ids) + max_new_tokens > limit:
+        if 0 < len(ids) < limit and len(ids) + max_new_tokens > limit:
             raise ApiError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids) + max_new_tokens} tokens ({len(ids)} in the prompt, {max_new_tokens} "
@@ -308,14 +415,58 @@ class EngineClient:
             )
 
     def new_request_id(self, prefix: str, rid: str | None) -> str:
-        if rid is None:
-            return f"{prefix}{uuid.uuid4().hex}"
-        if rid in self.active:
-            raise ApiError(f"rid: request id {rid!r} is already in use", param="rid")
-        return rid
+        """A fresh id, or the client's (its uniqueness is checked when the group reserves it)."""
+        return f"{prefix}{uuid.uuid4().hex}" if rid is None else rid
 
-    def submit(self, reqs: Sequence[GenerationRequest]) -> RequestGroup:
-        return RequestGroup(self, reqs)
+    def timeout(self, requested: float | None) -> float | None:
+        return requested if requested is not None else self.config.request_timeout_s
+
+    async def submit(
+        self, reqs: Sequence[GenerationRequest], timeout_s: float | None = None
+    ) -> RequestGroup:
+        """Submit the prompts of one HTTP request: 503 with `Retry-After` when the waiting
+        queue is full (`--max-queued-requests`) or the engine is down."""
+        if self.draining:
+            raise ApiError("the server is shutting down", status_code=503, code="shutting_down")
+        if not self.engine.healthy:
+            raise ApiError(self.engine._dead_message(), status_code=503, code="engine_unavailable")
+        queued = self.engine.num_queued
+        limit = self.config.max_queued_requests
+        if queued + len(reqs) > limit:
+            raise ApiError(
+                f"server overloaded: {queued} requests are waiting (--max-queued-requests "
+                f"{limit}); retry later",
+                status_code=503,
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        group = RequestGroup(self, reqs, self.timeout(timeout_s))
+        await group.start()
+        return group
+
+    async def run_bounded(self, call: Callable[[], str], request_id: str) -> str:
+        """`call()` (an `Engine.submit` that validates a constraint) in a worker thread, for at
+        most the engine's grammar timeout; past it, a 503 naming the limit, and the request is
+        aborted if the late call queues it after all."""
+        limit = self.engine.config.grammar_timeout_s
+        fut = asyncio.get_running_loop().run_in_executor(None, call)
+        done, _ = await asyncio.wait({fut}, timeout=limit)
+        if not done:
+            engine = self.engine
+
+            def abort_late(f: asyncio.Future[str]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    engine.abort(request_id)
+
+            fut.add_done_callback(abort_late)
+            raise ApiError(
+                f"checking the constraint took longer than {limit:g} s (--grammar-timeout-s); "
+                "simplify it",
+                status_code=503,
+                code="grammar_timeout",
+                headers={"Retry-After": "1"},
+            )
+        return fut.result()
 
     # ---- helpers for responses ----------------------------------------------------------------
 
@@ -330,6 +481,13 @@ class EngineClient:
         group = self.active.get(request_id)
         self.engine.abort(request_id)
         return group is not None
+
+    def fail_all_active(self, message: str, code: str) -> int:
+        """Fail every request in flight with a 503 (`message`); returns how many."""
+        groups = {id(g): g for g in self.active.values()}
+        for group in groups.values():
+            group.fail(ApiError(message, status_code=503, code=code, headers={"Retry-After": "1"}))
+        return len(groups)
 
     def abort_all(self) -> int:
         rids = list(self.active)
@@ -390,11 +548,26 @@ def raise_if_failed(outs: list[list[Completion]]) -> None:
     for per_prompt in outs:
         for c in per_prompt:
             if c.finish_reason == "error":
-                raise ApiError(
-                    f"the engine failed this request: {c.error or 'unknown error'}",
-                    status_code=500,
-                    code="engine_error",
-                )
+                raise engine_error(c.error, c.error_code)
+
+
+# How a request's failure inside the engine reaches its client (`RequestOutput.error_code`).
+_ERROR_STATUS = {
+    "grammar_timeout": 503,  # the constraint did not compile in time (queue + compile)
+    "grammar_error": 400,  # the constraint failed to compile
+    "shutting_down": 503,  # aborted by a graceful stop
+}
+
+
+def engine_error(message: str | None, code: str | None) -> ApiError:
+    status = _ERROR_STATUS.get(code or "", 500)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return ApiError(
+        f"the engine failed this request: {message or 'unknown error'}",
+        status_code=status,
+        code=code or "engine_error",
+        headers=headers,
+    )
 
 
 async def respond(
@@ -406,7 +579,7 @@ async def respond(
 ) -> Response:
     """The response of a submitted group: SSE `chunks()` when streaming, else `build(outs)` of
     every (prompt, branch) `Completion` as JSON; either way the group is closed at the end and
-    an engine failure is a 500."""
+    an engine failure is an error response (`engine_error`)."""
     if stream:
         return SSEResponse(chunks(), on_close=group.close)
     try:
@@ -425,8 +598,7 @@ def engine_client(request: Any) -> EngineClient:
 def error_event(out: RequestOutput) -> bytes:
     """The SSE event that ends a stream whose request the engine failed."""
     logger.error("streamed request failed: %s", out.error)
-    err = ApiError(f"the engine failed this request: {out.error}", status_code=500)
-    return sse(err.body())
+    return sse(engine_error(out.error, out.error_code).body())
 
 
 def sse(obj: Any) -> bytes:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
 from radixlm.server.errors import ApiError
+from radixlm.server.limits import check_constraint_size
 from radixlm.server.protocol import ChatCompletionRequest, ChatTool
 from radixlm.tool_calls import (
     NAME_PATTERN,
@@ -114,6 +115,14 @@ async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> Too
         lax = lax or tool not in allowed
         any_lax = any_lax or (lax and tool in allowed)
         params = tools[i]["function"]["parameters"]
+        cfg = client.config
+        check_constraint_size(
+            params,
+            f"tools[{i}].function.parameters",
+            cfg.max_constraint_chars,
+            cfg.max_schema_depth,
+            cfg.max_schema_nodes,
+        )
         rc = make_constraint(
             "json_schema", params, f"tools[{i}].function.parameters", best_effort=lax, **kw
         )
@@ -124,8 +133,7 @@ async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> Too
         return ToolRequest(tools, mode, None)
     param = "tool_choice" if mode == "auto" else "tools"
     rc = make_constraint("tool_calls", spec, param, best_effort=any_lax, **kw)
-    await check_constraint(client.engine, rc)
-    return ToolRequest(tools, mode, rc)
+    return ToolRequest(tools, mode, rc)  # validated by `Engine.submit`
 
 
 # ---- prompt --------------------------------------------------------------------------------------

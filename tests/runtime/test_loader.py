@@ -345,3 +345,27 @@ def test_real_gguf_conversion_matches_default(
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
     with mock.patch.object(loader, "convert_gguf", side_effect=AssertionError("reconverted")):
         assert resolve_model_path(gguf) == out
+
+
+def test_sliding_window_models_serve_their_window(tmp_path):
+    """Sliding-window attention is not implemented: the context is clamped to the window (where
+    full attention is exact) and a longer max_model_len is refused with a clear error."""
+    from transformers import AutoConfig
+
+    from radixlm.runtime.models.loader import context_length, load_model_info
+
+    kw = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    kw.update(intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+    AutoConfig.for_model("mistral", sliding_window=32, **kw).save_pretrained(tmp_path / "m")
+    info = load_model_info(tmp_path / "m")
+    assert info.sliding_window == 32
+    assert context_length(info, None) == 32 and context_length(info, 16) == 16
+    with pytest.raises(ValueError, match="sliding attention window"):
+        context_length(info, 64)
+    AutoConfig.for_model("mistral", sliding_window=None, **kw).save_pretrained(tmp_path / "f")
+    full = load_model_info(tmp_path / "f")
+    assert full.sliding_window is None and context_length(full, None) == 512
+    AutoConfig.for_model(
+        "qwen2", use_sliding_window=False, sliding_window=32, **kw
+    ).save_pretrained(tmp_path / "q")
+    assert load_model_info(tmp_path / "q").sliding_window is None

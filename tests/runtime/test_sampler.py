@@ -339,3 +339,28 @@ def test_min_tokens_suppress_ids() -> None:
     assert min_tokens_suppress_ids(p, [2], 2) == []
     q = SamplingParams(min_new_tokens=2, ignore_eos=True, stop_token_ids=[7])
     assert min_tokens_suppress_ids(q, [2], 0) == [7]
+
+
+def test_logit_bias_shifts_the_logits_of_its_row_only() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0, 0.0], [1.0, 2.0, 3.0, 0.0, 0.0]])
+    biased = SamplingParams(temperature=0.0, logit_bias={4: 100.0, 2: -100.0})
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler()(logits, build([biased, plain]))
+    assert out.next_token_ids == [4, 2]
+    # Raw logprobs stay the model's (OpenAI reports the unbiased distribution).
+    lp_params = SamplingParams(temperature=0.0, logit_bias={0: 5.0}, logprobs=True)
+    out = Sampler()(logits[:1], build([lp_params]))
+    assert out.next_token_ids == [0]
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[0].item(), abs=1e-5)
+    # Sampled rows: a -100 bias bans the token in practice.
+    gen = [make_generator(k) for k in range(50)]
+    banned = SamplingParams(temperature=1.0, logit_bias={2: -100.0})
+    out = Sampler()(logits[:1].expand(50, -1), build([banned] * 50, generators=gen))
+    assert 2 not in out.next_token_ids
+
+
+def test_logit_bias_params_are_validated() -> None:
+    assert SamplingParams(logit_bias={3: 1, 1: -2.5}).logit_bias == ((1, -2.5), (3, 1.0))
+    for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, {"3": 1.0}, [(1, 2, 3)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -280,6 +280,8 @@ def test_info_aliases_and_abort_fields(http):
     for path in ("/model_info", "/get_model_info"):
         info = http.get(path).json()
         assert info["is_generation"] is True and info["model_path"]
-    assert http.get("/server_info").json()["kv_integrity"] == "ok"
+    assert http.get("/server_info").json()["model_path"]
+    info = http.get("/get_server_info", params={"check_integrity": "true"}).json()
+    assert info["kv_integrity"] == "ok"
     r = http.post("/abort_request", json={"rid": "none", "abort_message": "bye"})
     assert r.status_code == 200 and r.json()["found"] is False

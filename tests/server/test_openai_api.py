@@ -256,3 +256,31 @@ def test_multi_turn_chat_reuses_shared_system_prompt(oai, server, tokenizer, mod
         )
         turn1_full = first.usage.prompt_tokens // page * page
         assert second.usage.prompt_tokens_details.cached_tokens >= turn1_full
+
+
+def test_logit_bias_is_applied(oai, model_name):
+    """OpenAI clients send logit_bias: +100 on one token makes greedy decoding pick it."""
+    r = oai.completions.create(
+        model=model_name, prompt="Hello", max_tokens=3, temperature=0, logit_bias={"28": 100}
+    )
+    assert r.choices[0].text == ",,," and r.usage.completion_tokens == 3
+
+
+def test_add_generation_prompt_is_honoured(oai, model_name, tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}]
+
+    def prompt_tokens(**extra):
+        r = oai.chat.completions.create(
+            model=model_name, messages=msgs, max_tokens=1, extra_body=extra
+        )
+        return r.usage.prompt_tokens
+
+    with_prompt = prompt_tokens()
+    assert prompt_tokens(add_generation_prompt=True) == with_prompt
+
+    def render(add: bool) -> int:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    assert with_prompt == render(True) and render(False) < render(True)
+    assert prompt_tokens(add_generation_prompt=False) == render(False)

@@ -157,13 +157,22 @@ class Constraint:
 
 def normalize_schema_text(schema: str | Mapping[str, Any] | bool) -> str:
     """Canonical JSON text of a schema given as JSON text, a mapping or a bool."""
-    from radixlm.runtime.grammar.strict import canonical_schema
+    from radixlm.runtime.grammar.strict import (
+        _MAX_DEPTH,
+        MAX_SCHEMA_NODES,
+        canonical_schema,
+        check_json_shape,
+    )
 
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"json_schema: not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise GrammarError(f"json_schema nests deeper than {_MAX_DEPTH} levels") from None
+    # NOTE: iterative, before anything that recurses over the schema (json.dumps, metaschema).
+    check_json_shape(schema, "json_schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
     if not isinstance(schema, (Mapping, bool)):
         raise GrammarError(
             f"json_schema must be a JSON object (or a bool), got {type(schema).__name__}"

@@ -1,10 +1,11 @@
 """``GrammarManager``: compile constraints off the step loop, cache them, make matchers.
 
 Threading: ``submit`` never blocks on compilation. Compiles run in a small thread pool; each
-has a deadline of ``timeout_s`` from the moment it starts (time queued behind other compiles
-does not count). A compile that misses it fails its future with ``GrammarTimeoutError``; its
-thread cannot be killed and keeps running, and if it does finish, its result replaces the
-cached timeout so later requests for that constraint get it.
+has a deadline of ``timeout_s`` from the moment it is submitted: time queued behind other
+compiles counts, so two slow constraints cannot stall every later constrained request for
+longer than that. A compile that misses it fails its future with ``GrammarTimeoutError``; a
+compile still queued then is skipped; a running one cannot be killed and keeps its thread, and
+if it does finish, its result replaces the cached timeout so later requests get it.
 
 Cache: an LRU of ``cache_size`` entries keyed by (backend, constraint), holding futures, so
 concurrent submits of one constraint share one compile. Failures are cached too (they are
@@ -130,6 +131,10 @@ class GrammarManager:
                 self._cache[key] = shared
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+                timer = threading.Timer(self.timeout_s, self._expire, (shared, constraint))
+                timer.daemon = True
+                timer.start()
+                shared.add_done_callback(lambda _, t=timer: t.cancel())
                 task = self._pool.submit(self._compile, key, shared)
                 task.add_done_callback(lambda t, f=shared: t.cancelled() and _shut_down(f))
         view: Future[CompiledGrammar] = Future()
@@ -143,9 +148,12 @@ class GrammarManager:
 
     def _compile(self, key: _Key, shared: Future[CompiledGrammar]) -> None:
         constraint = key[1]
-        timer = threading.Timer(self.timeout_s, self._expire, (shared, constraint))
-        timer.daemon = True
-        timer.start()
+        if shared.done():
+            # Timed out while queued: skip the compile; a later submit compiles it afresh.
+            with self._lock:
+                if self._cache.get(key) is shared:
+                    del self._cache[key]
+            return
         try:
             result = self.backend.compile(constraint)
         except GrammarError as exc:
@@ -155,15 +163,13 @@ class GrammarManager:
         else:
             if not _resolve(shared, result):
                 self._store_late(key, shared, result)
-        finally:
-            timer.cancel()
 
     def _expire(self, shared: Future[CompiledGrammar], constraint: Constraint) -> None:
         _resolve(
             shared,
             exc=GrammarTimeoutError(
-                f"{constraint.kind} compilation took longer than {self.timeout_s:g} s; "
-                "simplify the constraint"
+                f"{constraint.kind} compilation took longer than {self.timeout_s:g} s "
+                "(queue + compile, --grammar-timeout-s); simplify the constraint or retry"
             ),
         )
 

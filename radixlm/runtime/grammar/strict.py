@@ -163,6 +163,39 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
     return out
 
 
+def json_shape(value: Any) -> tuple[int, int]:
+    """``(depth, nodes)`` of a parsed JSON value, computed iteratively (never by recursion, so
+    a hostile 10,000-deep document cannot overflow the stack). A scalar has depth 0."""
+    depth = nodes = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        node, d = stack.pop()
+        nodes += 1
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        depth = max(depth, d + 1)
+        stack.extend((c, d + 1) for c in children)
+    return depth, nodes
+
+
+def check_json_shape(value: Any, what: str, max_depth: int, max_nodes: int) -> None:
+    """Raise ``GrammarError`` when ``value`` nests deeper than ``max_depth`` or has more than
+    ``max_nodes`` values (iterative: safe on any input)."""
+    depth, nodes = json_shape(value)
+    if depth > max_depth:
+        raise GrammarError(f"{what} nests {depth} levels deep; the limit is {max_depth}")
+    if nodes > max_nodes:
+        raise GrammarError(f"{what} has {nodes} values; the limit is {max_nodes}")
+
+
+# The engine's own bound on a schema (the server applies its stricter, configurable one first).
+MAX_SCHEMA_NODES = 100_000
+
+
 def check_metaschema(schema: Any) -> None:
     """Raise ``GrammarError`` unless ``schema`` is valid against its (declared or 2020-12)
     metaschema."""
@@ -173,6 +206,8 @@ def check_metaschema(schema: Any) -> None:
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         cls.check_schema(schema)
+    except RecursionError:
+        raise GrammarError("invalid JSON schema: nested too deeply to check") from None
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         raise GrammarError(f"invalid JSON schema at #/{where}: {exc.message}") from None
@@ -186,6 +221,8 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
         raise GrammarError(f"json_schema: not valid JSON: {exc}") from None
     if schema is False:
         raise GrammarError("invalid JSON schema: `false` matches nothing")
+    # NOTE: before the metaschema check, which recurses (a deep schema would overflow it).
+    check_json_shape(schema, "JSON schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
     check_metaschema(schema)
     if best_effort:
         return schema

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -28,6 +29,8 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = frozenset({DEFAULT_MODEL, "default"})
@@ -337,6 +340,8 @@ class ModelInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # Sliding-window attention span (Mistral), None when the model attends to everything.
+    sliding_window: int | None = None
     # The parsed transformers config (read once; the model's constructor takes it).
     hf_config: Any = field(default=None, compare=False, repr=False)
 
@@ -385,8 +390,46 @@ def load_model_info(model_dir: Path) -> ModelInfo:
         bos_token_id=bos,
         eos_token_ids=eos,
         torch_dtype=_dtype_name(config),
+        sliding_window=_sliding_window(config),
         hf_config=config,
     )
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The attention window of a sliding-window model (Mistral's `sliding_window`; Qwen2 only
+    with `use_sliding_window: true`); None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+def context_length(info: ModelInfo, requested: int | None) -> int:
+    """The context length the engine serves: `requested` (default: the model's maximum).
+
+    NOTE: sliding-window attention is not implemented; within the window, full attention is
+    exactly what a sliding-window model computes. So a sliding-window model's context is
+    clamped to its window by default, and asking for more is a `ValueError`.
+    """
+    limit = info.max_position_embeddings
+    window = info.sliding_window
+    if window is not None and window < limit:
+        if requested is not None and requested > window:
+            raise ValueError(
+                f"max_model_len {requested} exceeds the model's sliding attention window "
+                f"({window} tokens): sliding-window attention is not supported, so the context "
+                f"is limited to the window; use --max-model-len {window} or less"
+            )
+        if requested is None:
+            logger.warning(
+                "%s uses sliding-window attention (window %d) which radixlm does not implement; "
+                "serving a context of %d tokens (full attention within the window is exact)",
+                info.architecture,
+                window,
+                window,
+            )
+        limit = window
+    return min(limit, requested or limit)
 
 
 def attention_biases(config: Any) -> tuple[bool, bool]:
