@@ -8,11 +8,15 @@ validator rejects (``uniqueItems``, ``multipleOf`` on numbers, ``if``/``then``/`
 
 Over-strict behaviour is accepted silently: the output still validates. Both backends forbid
 properties that the schema does not declare unless it says ``additionalProperties`` (like
-OpenAI's strict mode), match ``pattern`` against the whole string and generate ``oneOf`` as
-``anyOf``; outlines never emits ``\\u`` escapes, xgrammar no escapes at all in length-bounded
+OpenAI's strict mode) and match ``pattern`` against the whole string; outlines never emits
+``\\u`` escapes, xgrammar no escapes at all in length-bounded
 strings. Silent under-enforcement found by probing (and rejected here): type-specific keywords
 in a schema without ``"type"``, ``required`` names that ``properties`` does not declare, and
 the per-backend gaps listed in the support tables at the bottom.
+
+Both backends generate ``oneOf`` as ``anyOf``, which lets a value match two branches (invalid
+under ``oneOf``): strict mode accepts a ``oneOf`` only when ``disjoint.one_of_disjoint`` proves
+its branches pairwise disjoint.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.grammar.base import GrammarError
+from radixlm.runtime.grammar.disjoint import one_of_disjoint
 
 # Keywords that make a JSON-schema validator reject instances.
 VALIDATION_KEYWORDS = frozenset(
@@ -50,8 +55,15 @@ _NEEDS_TYPE = frozenset(
     {
         "minLength", "maxLength", "pattern", "format",
         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "minItems", "maxItems", "prefixItems", "items", "unevaluatedItems",
+        "minProperties", "maxProperties", "patternProperties", "propertyNames",
+        "unevaluatedProperties",
     }
 )  # fmt: skip
+# Keywords that evaluate properties / items in place: ``unevaluated*`` next to them depends on
+# annotations, which the backends do not track.
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+             "dependentSchemas", "dependencies")  # fmt: skip
 _MAX_DEPTH = 128
 
 
@@ -136,6 +148,14 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.append(f"allOf (with {len(value)} subschemas)")
         elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
             found.append(f"$ref: {value!r} (external reference)")
+        elif key == "$ref" and isinstance(value, str) and value != "#" and value[:2] != "#/":
+            found.append(f"$ref: {value!r} (anchor reference)")
+        elif key == "$ref" and any(k in VALIDATION_KEYWORDS and k != "$ref" for k in schema):
+            found.append("$ref (with sibling keywords)")
+        elif key.startswith("unevaluated") and any(k in schema for k in _IN_PLACE):
+            found.append(f"{key} (with in-place applicators)")
+        elif key == "patternProperties" and isinstance(value, dict):
+            found.extend(_pattern_properties_problems(schema, value))
         elif key == "items" and isinstance(value, list):
             found.append("items (array form; use prefixItems)")
         elif key == "required" and isinstance(value, list):
@@ -144,6 +164,32 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.extend(
                 f"required: {name!r} (not in properties)" for name in value if name not in declared
             )
+    return found
+
+
+def _anchored(pattern: str) -> bool:
+    return pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")
+
+
+def _pattern_properties_problems(schema: dict[str, Any], patterns: dict[str, Any]) -> list[str]:
+    """The backends match a ``patternProperties`` key against the whole name and apply one
+    schema per key; JSON Schema searches and applies every matching one (and ``properties``)."""
+    import re
+
+    found = [
+        f"patternProperties: {p!r} (not anchored with ^...$)" for p in patterns if not _anchored(p)
+    ]
+    declared = schema.get("properties")
+    names = list(declared) if isinstance(declared, dict) else []
+    for p in patterns:
+        try:
+            rx = re.compile(p)
+        except re.error:
+            continue
+        if any(rx.search(n) for n in names):
+            found.append(f"patternProperties: {p!r} (matches a declared property)")
+    if len(patterns) > 1:
+        found.append("patternProperties (more than one pattern)")
     return found
 
 
@@ -158,6 +204,8 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
         if depth > _MAX_DEPTH:
             raise GrammarError(f"JSON schema nests deeper than {_MAX_DEPTH} levels")
         out.extend(Unsupported(k, path) for k in _problems(node, support, typed))
+        if "oneOf" in support.keywords and not one_of_disjoint(schema, node):
+            out.append(Unsupported("oneOf (branches not provably disjoint)", path))
         for rel, sub in reversed(_children(node)):
             stack.append((f"{path}/{rel}", sub, depth + 1, rel == "propertyNames"))
     return out
