@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+from radixlm.runtime.grammar.schema_keywords import resolve_pointer
+
 _MAX_DEPTH = 24
 _ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "number"})
 _COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf")
@@ -71,19 +73,7 @@ class DisjointChecker:
     # ---- helpers -------------------------------------------------------------------------------
 
     def resolve(self, ref: Any) -> Any:
-        """The target of a local JSON-pointer ``$ref`` (``"#"``, ``"#/$defs/x"``), or None."""
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            return None
-        node = self.root
-        for part in ref[2:].split("/") if ref != "#" else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+        return resolve_pointer(self.root, ref)
 
     def _facets(self, s: Any, depth: int) -> Iterator[Any]:
         """Schemas that each accept every instance ``s`` accepts: its own keywords (without

@@ -21,35 +21,22 @@ its branches pairwise disjoint.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
+from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
+from radixlm.runtime.grammar.schema_keywords import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    VALIDATION_KEYWORDS,
+)
 
-# Keywords that make a JSON-schema validator reject instances.
-VALIDATION_KEYWORDS = frozenset(
-    {
-        "type", "enum", "const",
-        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
-        "dependencies", "unevaluatedProperties",
-        "items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
-        "contains", "minContains", "maxContains", "unevaluatedItems",
-        "minLength", "maxLength", "pattern", "format",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-        "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
-        "$ref", "$dynamicRef", "$recursiveRef",
-    }
-)  # fmt: skip
-# Where subschemas live: name -> how its value holds them.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = (
-    "additionalProperties", "propertyNames", "unevaluatedProperties", "additionalItems",
-    "unevaluatedItems", "contains", "not", "if", "then", "else",
-)  # fmt: skip
-_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_SCHEMA_MAPS, _SCHEMA_VALUES, _SCHEMA_LISTS = SCHEMA_MAPS, SCHEMA_VALUES, SCHEMA_LISTS
 # Type-specific keywords that the backends apply only when the schema states its "type".
 _NEEDS_TYPE = frozenset(
     {
@@ -65,6 +52,16 @@ _NEEDS_TYPE = frozenset(
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
              "dependentSchemas", "dependencies")  # fmt: skip
 _MAX_DEPTH = 128
+# Keywords the backends apply while ignoring every other validation keyword beside them (but
+# those listed); measured on both backends. The normalizer distributes / filters most away.
+_ALONE: dict[str, frozenset[str]] = {
+    "$ref": frozenset({"$ref"}),
+    "anyOf": frozenset({"anyOf"}),
+    "oneOf": frozenset({"oneOf"}),
+    "allOf": frozenset({"allOf"}),
+    "enum": frozenset({"enum", "const"}),
+    "const": frozenset({"enum", "const"}),
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +76,8 @@ class SchemaSupport:
     formats: frozenset[str]
     multiple_of_integers_only: bool = False
     max_all_of: int = 1
+    # ``{}`` (any value) below the root compiles correctly.
+    empty_subschema: bool = True
     # (keyword, sibling): the keyword is ignored when the sibling is in the same schema.
     ignored_with: tuple[tuple[str, str], ...] = ()
 
@@ -150,8 +149,9 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.append(f"$ref: {value!r} (external reference)")
         elif key == "$ref" and isinstance(value, str) and value != "#" and value[:2] != "#/":
             found.append(f"$ref: {value!r} (anchor reference)")
-        elif key == "$ref" and any(k in VALIDATION_KEYWORDS and k != "$ref" for k in schema):
-            found.append("$ref (with sibling keywords)")
+        elif key in _ALONE and any(k in VALIDATION_KEYWORDS and k not in _ALONE[key]
+                                   for k in schema):  # fmt: skip
+            found.append(f"{key} (with sibling keywords)")
         elif key.startswith("unevaluated") and any(k in schema for k in _IN_PLACE):
             found.append(f"{key} (with in-place applicators)")
         elif key == "patternProperties" and isinstance(value, dict):
@@ -204,6 +204,8 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
         if depth > _MAX_DEPTH:
             raise GrammarError(f"JSON schema nests deeper than {_MAX_DEPTH} levels")
         out.extend(Unsupported(k, path) for k in _problems(node, support, typed))
+        if not support.empty_subschema and path != "#" and not VALIDATION_KEYWORDS & node.keys():
+            out.append(Unsupported("{} (a subschema allowing any value)", path))
         if "oneOf" in support.keywords and not one_of_disjoint(schema, node):
             out.append(Unsupported("oneOf (branches not provably disjoint)", path))
         for rel, sub in reversed(_children(node)):
@@ -226,8 +228,17 @@ def check_metaschema(schema: Any) -> None:
         raise GrammarError(f"invalid JSON schema at #/{where}: {exc.message}") from None
 
 
+@functools.lru_cache(maxsize=512)
+def prepared_schema_text(spec: str) -> str:
+    """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
+    rewrites), then ``normalize.lower_for_backends``, as compact JSON (key order kept)."""
+    schema = lower_for_backends(normalize_schema(json.loads(spec)))
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
 def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort: bool) -> Any:
-    """Parse, metaschema-check and strictness-check schema text; return the parsed schema."""
+    """Parse, metaschema-check, normalize and strictness-check schema text; return the
+    prepared schema (what the backend compiles)."""
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
@@ -235,6 +246,9 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
     if schema is False:
         raise GrammarError("invalid JSON schema: `false` matches nothing")
     check_metaschema(schema)
+    schema = json.loads(prepared_schema_text(spec))
+    if schema is False:
+        raise GrammarError("JSON schema matches nothing (after merging its subschemas)")
     if best_effort:
         return schema
     bad = find_unsupported(schema, support)
@@ -299,9 +313,11 @@ XGRAMMAR_SUPPORT = SchemaSupport(
     multiple_of_integers_only=True,
 )
 # Measured with outlines-core 0.2.14: no numeric bounds, no min/maxProperties, no
-# propertyNames / patternProperties, no minItems next to prefixItems.
+# propertyNames / patternProperties, no minItems next to prefixItems; a ``{}`` subschema
+# becomes an ungrouped alternation that leaks out of its position in the regex.
 OUTLINES_SUPPORT = SchemaSupport(
     keywords=_COMMON - {"minProperties"},
     formats=frozenset({"email", "date", "time", "date-time", "uuid", "uri"}),
     ignored_with=(("minItems", "prefixItems"),),
+    empty_subschema=False,
 )
