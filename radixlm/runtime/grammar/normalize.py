@@ -373,7 +373,7 @@ class _Normalizer:
             b = self.conj([body, *case], depth)
             if isinstance(b, dict) and "allOf" in b:
                 return None
-            if b is not False:
+            if b is not False and not _required_and_forbidden(b):
                 branches.append(b)
         if not branches:
             return False
@@ -393,21 +393,23 @@ class _Normalizer:
         if not isinstance(cond, dict) or s.get("type") != "object":
             return s
         keys = {k for k in cond if k not in _ANNOTATIONS}
+        cprops = cond.get("properties", {})
+        if not isinstance(cprops, dict):
+            return s
+        cprops = {k: v for k, v in cprops.items() if v is not True and v != {}}
+        if not cprops:
+            keys.discard("properties")
         required = body.get("required", [])
         props = body.get("properties", {})
-        if (
-            keys == {"required"}
-            and isinstance(cond["required"], list)
-            and len(cond["required"]) == 1
-        ):
-            name = cond["required"][0]
+        creq = cond.get("required")
+        if keys == {"required"} and isinstance(creq, list) and len(creq) == 1:
+            name = creq[0]
             cases = [[{"required": [name]}, then], [{"properties": {name: False}}, other]]
         elif keys <= {"properties", "required", "type"} and cond.get("type", "object") == "object":
-            cprops = cond.get("properties")
-            if not isinstance(cprops, dict) or len(cprops) != 1:
+            if len(cprops) != 1:
                 return s
             ((name, cschema),) = cprops.items()
-            if cond.get("required", [name]) != [name] or name not in required:
+            if creq not in (None, [name]) or name not in required:
                 return s
             wanted = _finite_values(cschema)
             known = _finite_values(props.get(name)) if isinstance(props, dict) else None
@@ -497,6 +499,19 @@ class _Normalizer:
             cases.append(case)
         out = self._branches(rest, cases, depth)
         return s if out is None else out
+
+
+def _required_and_forbidden(s: Any) -> bool:
+    """A schema object requiring a property whose schema is ``false`` (matches no object)."""
+    if not isinstance(s, dict) or s.get("type") != "object":
+        return False
+    props = s.get("properties", {})
+    required = s.get("required", [])
+    return (
+        isinstance(props, dict)
+        and isinstance(required, list)
+        and any(props.get(n) is False for n in required)
+    )
 
 
 def _number(v: Any) -> bool:

@@ -6,9 +6,8 @@ serialization tried (the suite's key order and the schema's property order, with
 ``\\u`` escapes). *Valid* instances the grammar also accepts are counted (over-strictness is
 allowed and reported). Refused schemas are fine (counted, with the keywords named).
 
-The walk uses a byte vocabulary (one token per byte, EOS last): accepting byte by byte, with
-each byte checked against the filled bitmask, is exactly "the grammar accepts this string",
-whatever a real tokenizer would split it into; compiles are fast on it.
+The walk uses ``BYTE_VOCAB`` (one token per byte): exactly "the grammar accepts this string",
+and compiles are fast on it.
 Data: tests/data/json_schema_test_suite (MIT, see the LICENSE and README there).
 """
 
@@ -21,26 +20,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from grammar_helpers import BACKENDS
+from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
 from radixlm.runtime.grammar import (
     CompiledGrammar,
     Constraint,
     GrammarError,
-    GrammarMatcher,
-    TokenVocab,
-    allocate_bitmask,
     get_backend,
-    is_token_allowed,
 )
 from radixlm.runtime.grammar.strict import find_unsupported
 
 SUITE = Path(__file__).resolve().parents[2] / "data" / "json_schema_test_suite"
 DRAFTS = {"draft2020-12": None, "draft7": "http://json-schema.org/draft-07/schema#"}
-BYTE_EOS = 256
-BYTE_VOCAB = TokenVocab(
-    tuple(bytes([b]) for b in range(256)) + (None,), (BYTE_EOS,), encode=lambda s: list(s.encode())
-)
 
 
 @dataclass
@@ -111,21 +102,6 @@ def serializations(data: Any, schema: Any) -> list[str]:
         for ascii_ in (False, True)
     ]
     return list(dict.fromkeys(texts))
-
-
-def grammar_accepts(matcher: GrammarMatcher, text: str) -> bool:
-    """Walk ``text`` byte by byte the way decoding does (mask, then accept); True if the
-    grammar allows the whole text and then EOS."""
-    mask = allocate_bitmask(1, BYTE_VOCAB.vocab_size)
-    for b in text.encode():
-        matcher.fill_bitmask(mask, 0)
-        if not is_token_allowed(mask, 0, b):
-            return False
-        assert matcher.accept_token(b), "token allowed by the mask but rejected"
-    matcher.fill_bitmask(mask, 0)
-    eos = is_token_allowed(mask, 0, BYTE_EOS)
-    assert eos == matcher.is_completed()
-    return eos
 
 
 def run_suite(backend_name: str, draft: str) -> Tally:
