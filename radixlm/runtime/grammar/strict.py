@@ -78,6 +78,8 @@ class SchemaSupport:
     max_all_of: int = 1
     # ``{}`` (any value) below the root compiles correctly.
     empty_subschema: bool = True
+    # A ``pattern`` with a top-level ``|`` compiles correctly.
+    pattern_alternation: bool = True
     # (keyword, sibling): the keyword is ignored when the sibling is in the same schema.
     ignored_with: tuple[tuple[str, str], ...] = ()
 
@@ -143,6 +145,10 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
         elif key == "multipleOf" and support.multiple_of_integers_only:
             if schema.get("type") != "integer":
                 found.append("multipleOf (on a non-integer schema)")
+            elif not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+                found.append("multipleOf (not an integer)")
+        elif key == "pattern" and isinstance(value, str):
+            found.extend(f"pattern: {value!r} ({p})" for p in pattern_problems(value, support))
         elif key == "allOf" and isinstance(value, list) and len(value) > support.max_all_of:
             found.append(f"allOf (with {len(value)} subschemas)")
         elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
@@ -167,6 +173,46 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
     return found
 
 
+def _regex_features(pattern: str) -> set[str]:
+    """Which of "lookaround", "inner anchor", "top-level |" a regex uses (escapes and
+    character classes skipped)."""
+    found: set[str] = set()
+    depth, i, n = 0, 0, len(pattern)
+    in_class = False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":
+                i += 1
+        elif ch == "(":
+            if pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!"):
+                found.add("lookaround")
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            found.add("top-level |")
+        elif ch == "^" and i != 0:
+            found.add("inner anchor")
+        elif ch == "$" and i != n - 1:
+            found.add("inner anchor")
+        i += 1
+    return found
+
+
+def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
+    """Why a backend cannot enforce ``pattern`` exactly (both ignore lookarounds and anchors
+    inside the pattern; outlines splices the pattern into its regex without a group)."""
+    found = _regex_features(pattern) - ({"top-level |"} if support.pattern_alternation else set())
+    return sorted(f"{f} unsupported" for f in found)
+
+
 def _anchored(pattern: str) -> bool:
     return pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")
 
@@ -178,6 +224,11 @@ def _pattern_properties_problems(schema: dict[str, Any], patterns: dict[str, Any
 
     found = [
         f"patternProperties: {p!r} (not anchored with ^...$)" for p in patterns if not _anchored(p)
+    ]
+    found += [
+        f"patternProperties: {p!r} ({f} unsupported)"
+        for p in patterns
+        for f in sorted(_regex_features(p) - {"top-level |"})
     ]
     declared = schema.get("properties")
     names = list(declared) if isinstance(declared, dict) else []
@@ -311,6 +362,18 @@ XGRAMMAR_SUPPORT = SchemaSupport(
     keywords=_COMMON | _XGRAMMAR_EXTRA,
     formats=_XGRAMMAR_FORMATS,
     multiple_of_integers_only=True,
+    # Found in xgrammar's warnings: it drops length bounds next to pattern / format, and
+    # multipleOf next to a numeric range.
+    ignored_with=(
+        ("minLength", "pattern"),
+        ("maxLength", "pattern"),
+        ("minLength", "format"),
+        ("maxLength", "format"),
+        ("multipleOf", "minimum"),
+        ("multipleOf", "maximum"),
+        ("multipleOf", "exclusiveMinimum"),
+        ("multipleOf", "exclusiveMaximum"),
+    ),  # fmt: skip
 )
 # Measured with outlines-core 0.2.14: no numeric bounds, no min/maxProperties, no
 # propertyNames / patternProperties, no minItems next to prefixItems; a ``{}`` subschema
@@ -318,6 +381,14 @@ XGRAMMAR_SUPPORT = SchemaSupport(
 OUTLINES_SUPPORT = SchemaSupport(
     keywords=_COMMON - {"minProperties"},
     formats=frozenset({"email", "date", "time", "date-time", "uuid", "uri"}),
-    ignored_with=(("minItems", "prefixItems"),),
+    # It drops pattern / format next to length bounds.
+    ignored_with=(
+        ("minItems", "prefixItems"),
+        ("pattern", "minLength"),
+        ("pattern", "maxLength"),
+        ("format", "minLength"),
+        ("format", "maxLength"),
+    ),  # fmt: skip
     empty_subschema=False,
+    pattern_alternation=False,
 )

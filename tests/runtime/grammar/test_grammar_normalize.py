@@ -245,3 +245,38 @@ def test_draft7_ref_hides_siblings_in_the_prover() -> None:
     assert not draft7.disjoint(ref_and_type, {"type": "string"})
     # 2020-12 applies both: nothing is a string and an integer.
     assert DisjointChecker(defs).disjoint(ref_and_type, {"type": "string"})
+
+
+# (backend, schema, refusal named, an invalid instance the best-effort grammar accepts): each
+# refusal is warranted, the backend really ignores the keyword there.
+SILENT_IGNORES = [
+    ("xgrammar", {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
+     "minLength (with pattern)", "ab"),
+    ("xgrammar", {"type": "string", "format": "date", "maxLength": 5},
+     "maxLength (with format)", "2024-01-01"),
+    ("xgrammar", {"type": "integer", "multipleOf": 3, "minimum": 1},
+     "multipleOf (with minimum)", 4),
+    ("xgrammar", {"type": "integer", "multipleOf": 1.5}, "multipleOf (not an integer)", 1),
+    ("xgrammar", {"type": "string", "pattern": "^(?!a)[a-z]$"},
+     "pattern: '^(?!a)[a-z]$' (lookaround unsupported)", "a"),
+    ("outlines", {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
+     "pattern (with minLength)", "ABC"),
+    ("xgrammar", {"type": "string", "allOf": [{"pattern": "^a$"}, {"pattern": "^b$"}]},
+     "allOf (with sibling keywords)", "b"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "schema", "named", "invalid"), SILENT_IGNORES)
+def test_silently_ignored_keywords_are_refused(
+    backend: str, schema: Any, named: str, invalid: Any, byte_backends: dict[str, Any]
+) -> None:
+    assert not _valid(schema, invalid)
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    with pytest.raises(GrammarError) as err:
+        byte_backends[backend].validate(c)
+    assert named in str(err.value)
+    lenient = Constraint.from_params(json_schema=schema, best_effort=True)
+    assert lenient is not None
+    compiled = byte_backends[backend].compile(lenient)
+    assert grammar_accepts(compiled.new_matcher(), json.dumps(invalid, separators=(",", ":")))
