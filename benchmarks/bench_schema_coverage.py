@@ -4,6 +4,7 @@ accepts in strict mode, why it refuses the others, and how long accepted ones ta
     .venv/bin/python benchmarks/bench_schema_coverage.py --data PATH/jsonschemabench/data
         [--subsets Glaiveai2K,Github_easy,...] [--per-subset 25] [--seed 0]
         [--backends xgrammar,outlines] [--timeout 10] [--out benchmarks/results/x.json]
+    .venv/bin/python benchmarks/bench_schema_coverage.py --maskbench PATH/maskbench/data ...
 
 Data: a local copy of the ``data/`` folder of ``guidance-ai/jsonschemabench`` on GitHub (one
 schema per JSON file, a folder per subset). Its repository states no licence, so no schema is
@@ -11,6 +12,13 @@ vendored here: the script reads the copy named by ``--data``. The sample is fixe
 ``--per-subset`` files from each subset, drawn with ``random.Random(seed)`` from its sorted file
 list. The default subsets are the issue's development subsets; Kubernetes / JsonSchemaStore
 are for an independent check (pass them with ``--subsets``).
+
+With ``--maskbench`` the sample comes from the repository's ``maskbench/data`` folder instead
+(files ``SUBSET---NAME.json`` holding a ``schema`` and ``tests``: instances, some invalid), and
+every instance of an accepted schema is also walked byte by byte through the grammar (compact
+JSON, in its own key order and in the schema's property order): an invalid instance (per
+``jsonschema``) that the grammar accepts is counted as ``invalid_accepted`` (must be 0); valid
+ones accepted are reported (over-strictness).
 
 Per schema, in a worker process per backend on the default model's tokenizer (restarted when
 a compile passes ``--timeout`` seconds, which counts as refused): ``Constraint.from_params``,
@@ -28,6 +36,7 @@ import multiprocessing as mp
 import random
 import re
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -49,6 +58,10 @@ class Outcome:
     status: str  # "accepted" | "refused" | "timeout" | "invalid" (bad schema or not JSON)
     reason: str = ""
     compile_s: float = 0.0
+    valid: int = 0  # instances (--maskbench): valid per jsonschema / accepted by the grammar
+    valid_accepted: int = 0
+    invalid: int = 0
+    invalid_accepted: int = 0
 
 
 def sample(data: Path, subsets: list[str], per_subset: int, seed: int) -> list[tuple[str, Path]]:
@@ -58,6 +71,72 @@ def sample(data: Path, subsets: list[str], per_subset: int, seed: int) -> list[t
         files = sorted((data / subset).glob("*.json"))
         out += [(subset, f) for f in rng.sample(files, min(per_subset, len(files)))]
     return out
+
+
+def sample_maskbench(
+    data: Path, subsets: list[str], per_subset: int, seed: int
+) -> list[tuple[str, Path]]:
+    rng = random.Random(seed)
+    out = []
+    for subset in subsets:
+        files = sorted(data.glob(f"{subset}---*.json"))
+        out += [(subset, f) for f in rng.sample(files, min(per_subset, len(files)))]
+    return out
+
+
+def _property_order(schema: Any, order: dict[str, int]) -> dict[str, int]:
+    if isinstance(schema, dict):
+        if isinstance(schema.get("properties"), dict):
+            for name in schema["properties"]:
+                order.setdefault(name, len(order))
+        for value in schema.values():
+            _property_order(value, order)
+    elif isinstance(schema, list):
+        for value in schema:
+            _property_order(value, order)
+    return order
+
+
+def _reordered(value: Any, order: dict[str, int]) -> Any:
+    if isinstance(value, dict):
+        keys = sorted(value, key=lambda k: (order.get(k, len(order)), list(value).index(k)))
+        return {k: _reordered(value[k], order) for k in keys}
+    if isinstance(value, list):
+        return [_reordered(v, order) for v in value]
+    return value
+
+
+def _walk_bytes(compiled: Any, text: str) -> bool:
+    """The grammar accepts ``text`` then EOS (one single-byte token per byte)."""
+    m = compiled.new_matcher()
+    single = m.vocab.single_byte_ids
+    for b in text.encode():
+        if single[b] is None or not m.accept_token(single[b]):
+            return False
+    return m.is_completed()
+
+
+def check_instances(compiled: Any, schema: Any, tests: list[dict[str, Any]]) -> list[int]:
+    """[valid, valid accepted, invalid, invalid accepted] over ``tests``."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator = cls(schema)
+    order = _property_order(schema, {})
+    counts = [0, 0, 0, 0]
+    for test in tests:
+        data = test["data"]
+        try:
+            valid = validator.is_valid(data)
+        except Exception:  # unresolvable reference etc.: no verdict
+            continue
+        texts = {json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+                 for v in (data, _reordered(data, order))}  # fmt: skip
+        accepted = any(_walk_bytes(compiled, t) for t in texts)
+        base = 0 if valid else 2
+        counts[base] += 1
+        counts[base + 1] += accepted
+    return counts
 
 
 def _reason(message: str) -> str:
@@ -77,25 +156,29 @@ def _worker(conn: Connection, backend_name: str) -> None:
     tokenizer = load_tokenizer(resolve_model_path(None))
     vocab = TokenVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
     backend = get_backend(backend_name)(vocab)
+    assert vocab.has_all_single_bytes
     conn.send("ready")
     while True:
-        text = conn.recv()
-        if text is None:
+        request = conn.recv()
+        if request is None:
             return
+        text, tests = request
         start = time.perf_counter()
         try:
             c = Constraint.from_params(json_schema=text)
         except GrammarError as exc:
-            conn.send(("invalid", str(exc)[:300], 0.0))
+            conn.send(("invalid", str(exc)[:300], 0.0, []))
             continue
         try:
             assert c is not None
             backend.validate(c)
-            backend.compile(c)
+            compiled = backend.compile(c)
         except GrammarError as exc:
-            conn.send(("refused", str(exc)[:2000], 0.0))
+            conn.send(("refused", str(exc)[:2000], 0.0, []))
             continue
-        conn.send(("accepted", "", time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        counts = check_instances(compiled, json.loads(text), tests) if tests else []
+        conn.send(("accepted", "", elapsed, counts))
 
 
 class Worker:
@@ -110,14 +193,14 @@ class Worker:
         self.proc.start()
         assert self.conn.recv() == "ready"
 
-    def run(self, text: str, timeout: float) -> tuple[str, str, float]:
-        self.conn.send(text)
+    def run(self, text: str, tests: list[Any], timeout: float) -> tuple[str, str, float, list[int]]:
+        self.conn.send((text, tests))
         if self.conn.poll(timeout):
             return self.conn.recv()
         self.proc.kill()
         self.proc.join()
         self._start()
-        return ("timeout", f"compile > {timeout:g} s", timeout)
+        return ("timeout", f"compile > {timeout:g} s", timeout, [])
 
     def close(self) -> None:
         self.conn.send(None)
@@ -147,6 +230,10 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
             "compile_max_s": max(times, default=float("nan")),
             "over_1s": sum(t > 1.0 for t in times),
             "timeouts": sum(o.status == "timeout" for o in rows),
+            "valid": sum(o.valid for o in rows),
+            "valid_accepted": sum(o.valid_accepted for o in rows),
+            "invalid": sum(o.invalid for o in rows),
+            "invalid_accepted": sum(o.invalid_accepted for o in rows),
             "refusals": Counter(o.reason for o in rows if o.status != "accepted").most_common(12),
         }
     return table
@@ -154,7 +241,9 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="jsonschemabench's data/ folder")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--data", type=Path, help="jsonschemabench's data/ folder")
+    where.add_argument("--maskbench", type=Path, help="jsonschemabench's maskbench/data/ folder")
     ap.add_argument("--subsets", default=",".join(DEV_SUBSETS))
     ap.add_argument("--per-subset", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
@@ -163,23 +252,39 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    picked = sample(args.data, args.subsets.split(","), args.per_subset, args.seed)
+    subsets = args.subsets.split(",")
+    if args.maskbench:
+        picked = sample_maskbench(args.maskbench, subsets, args.per_subset, args.seed)
+    else:
+        picked = sample(args.data, subsets, args.per_subset, args.seed)
     outcomes: list[Outcome] = []
     for backend in args.backends.split(","):
         worker = Worker(backend)
         for subset, path in picked:
-            status, message, seconds = worker.run(path.read_text(), args.timeout)
+            text, tests = path.read_text(), []
+            if args.maskbench:
+                entry = json.loads(text)
+                text, tests = json.dumps(entry["schema"]), entry.get("tests", [])
+            status, message, seconds, counts = worker.run(text, tests, args.timeout)
             reason = "" if status == "accepted" else _reason(message)
-            outcomes.append(Outcome(subset, path.name, backend, status, reason, seconds))
+            o = Outcome(subset, path.name, backend, status, reason, seconds)
+            if counts:
+                o.valid, o.valid_accepted, o.invalid, o.invalid_accepted = counts
+            outcomes.append(o)
+            print(f"{backend} {len(outcomes)}/{len(picked)} {subset}/{path.name}: {status} "
+                  f"{reason} {seconds:.3f}s", file=sys.stderr, flush=True)  # fmt: skip
         worker.close()
     table = summarize(outcomes)
     print(f"{'backend/subset':<28} {'n':>4} {'accepted':>9} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'max ms':>8} {'>1s':>4} {'t/o':>4}")  # fmt: skip
+          f"{'max ms':>8} {'>1s':>4} {'t/o':>4} {'valid acc':>11} {'invalid acc':>11}")  # fmt: skip
     for key, row in table.items():
+        valid = f"{row['valid_accepted']}/{row['valid']}"
+        invalid = f"{row['invalid_accepted']}/{row['invalid']}"
         print(
             f"{key:<28} {row['n']:>4} {row['accepted_pct']:>8.1f}% "
             f"{1e3 * row['compile_p50_s']:>8.1f} {1e3 * row['compile_p99_s']:>8.1f} "
-            f"{1e3 * row['compile_max_s']:>8.1f} {row['over_1s']:>4} {row['timeouts']:>4}"
+            f"{1e3 * row['compile_max_s']:>8.1f} {row['over_1s']:>4} {row['timeouts']:>4} "
+            f"{valid:>11} {invalid:>11}"
         )
     for key, row in table.items():
         if key.endswith("/ALL"):
