@@ -106,12 +106,16 @@ def _reordered(value: Any, order: dict[str, int]) -> Any:
     return value
 
 
-def _walk_bytes(compiled: Any, text: str) -> bool:
-    """The grammar accepts ``text`` then EOS (one single-byte token per byte)."""
+def _walk_bytes(compiled: Any, text: str) -> bool | None:
+    """The grammar accepts ``text`` then EOS (one single-byte token per byte); None when the
+    vocabulary has no token for one of its bytes."""
     m = compiled.new_matcher()
     single = m.vocab.single_byte_ids
-    for b in text.encode():
-        if single[b] is None or not m.accept_token(single[b]):
+    data = text.encode()
+    if any(single[b] is None for b in data):
+        return None
+    for b in data:
+        if not m.accept_token(single[b]):
             return False
     return m.is_completed()
 
@@ -132,7 +136,10 @@ def check_instances(compiled: Any, schema: Any, tests: list[dict[str, Any]]) -> 
             continue
         texts = {json.dumps(v, separators=(",", ":"), ensure_ascii=False)
                  for v in (data, _reordered(data, order))}  # fmt: skip
-        accepted = any(_walk_bytes(compiled, t) for t in texts)
+        walks = [_walk_bytes(compiled, t) for t in texts]
+        if None in walks:
+            continue
+        accepted = any(walks)
         base = 0 if valid else 2
         counts[base] += 1
         counts[base + 1] += accepted
@@ -156,7 +163,6 @@ def _worker(conn: Connection, backend_name: str) -> None:
     tokenizer = load_tokenizer(resolve_model_path(None))
     vocab = TokenVocab.from_tokenizer(tokenizer, 49152, [tokenizer.eos_token_id])
     backend = get_backend(backend_name)(vocab)
-    assert vocab.has_all_single_bytes
     conn.send("ready")
     while True:
         request = conn.recv()

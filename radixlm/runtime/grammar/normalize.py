@@ -218,6 +218,7 @@ class _Normalizer:
                 rest.append(m)
             else:
                 merged = result
+                rest.extend(merged.pop("allOf", []))  # a member's own unmerged members
         if merged is False:
             return False
         if rest:
@@ -447,10 +448,9 @@ class _Normalizer:
                 return s
             branches.append(merged)
         self._size += size
-        if key == "anyOf":
-            branches = [b for b in branches if b is not False]
-            if not branches:
-                return False
+        branches = [b for b in branches if b is not False]  # never matches: no effect
+        if not branches:
+            return False
         host = {k: v for k, v in s.items() if k in _HOST}
         return {**host, key: branches}
 
