@@ -12,7 +12,8 @@ Both sides generate exactly the requested number of tokens per request (EOS is i
 those "useful" tokens count: output tok/s = useful tokens / wall time.
 
 Part 2, step overhead: with B decode-only requests on a paused engine, the time of one
-`Scheduler.step()` vs a bare `ModelRunner.forward` of the very same `ForwardBatch`, measured in
+engine step (`EngineCore.step()`: schedule, executor.run, update, drain) vs a bare
+`ModelRunner.forward` of the very same `ForwardBatch`, measured in
 pairs (one of each per decode position), plus where the difference goes.
 
 Prompts are distinct random token ids, so the radix cache cannot help: this measures batching
@@ -249,9 +250,10 @@ def run_radixlm(args, wl: Workload, cfg: tuple[int, int, int]) -> dict[str, Any]
 
 
 def _record_steps(engine: Engine) -> list:
-    """Keep every step's `StepStats` (wraps the scheduler instance's `step`, code unchanged)."""
+    """Keep every step's `StepStats` (wraps the engine core's `step`, code unchanged)."""
     sched = engine.scheduler
-    inner = sched.step
+    core = engine.core
+    inner = core.step
     steps: list = []
 
     def step():
@@ -260,7 +262,7 @@ def _record_steps(engine: Engine) -> list:
             steps.append(sched.last_step)
         return out
 
-    sched.step = step
+    core.step = step
     return steps
 
 
@@ -294,35 +296,36 @@ def measure_step_overhead(
     args, prompt_range: tuple[int, int], batch: int, iters: int
 ) -> dict[str, Any]:
     """`batch` decode-only requests; per decode position, one timed bare forward and one timed
-    `scheduler.step()` of the same batch (order alternating), driven from this thread."""
+    engine step of the same batch (order alternating), driven from this thread."""
+    from radixlm.runtime.executor import build_forward_batch
+
     new_tokens = iters + 64  # nobody finishes during warm-up, timing and profiling
     wl = make_workload(batch, args.seed + 1, prompt_range, (new_tokens, new_tokens))
     engine = make_engine(args, pages_for(wl, 16), (max(64, batch), 2048, 512))
     engine.shutdown()  # stop the loop thread: this thread drives the scheduler directly
     sched, runner, proc = engine.scheduler, engine.runner, engine.processor
+    core, executor = engine.core, engine.executor
     for i, prompt in enumerate(wl.prompts):
         req = Request(request_id=f"s{i}", prompt_token_ids=prompt, params=greedy(new_tokens))
         proc.init_request(req)
         sched.add_request(req)
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-        sched.step()  # prefill, untimed
+        core.step()  # prefill, untimed
     for _ in range(3):
-        sched.step()  # warm-up decode steps
+        core.step()  # warm-up decode steps
     timer = PhaseTimer()
     schedule = timer.wrap(sched, "schedule", "schedule")
-    build_batch = timer.wrap(sched, "_build_batch", "build_batch")
     bare_forward = timer.wrap(runner, "forward", "forward")
-    timer.wrap(proc, "sample_and_append", "sample_and_append")
-    timer.wrap(proc, "sampler", "sampler")
-    # Engine internals get renamed: time the first per-token append method that exists.
-    append = next((n for n in ("_append_sampled", "_append") if hasattr(proc, n)), None)
-    if append is not None:
-        timer.wrap(proc, append, "append_detok_stop")
+    timer.wrap(executor, "run", "executor_run")
+    timer.wrap(executor, "_sample", "sample")
+    timer.wrap(sched, "update", "update")
+    timer.wrap(proc, "append", "append_detok_stop")
     timer.wrap(proc, "drain", "drain")
+    ps = runner.page_size
     step_times, fwd_times = [], []  # (wall, cpu) pairs
     for k in range(iters):
-        items = schedule()  # unwrapped; idempotent for running decodes (pages ensured once)
-        fb = build_batch(items, {id(i.req) for i in items})
+        sb = schedule()  # unwrapped; idempotent for running decodes (pages ensured once)
+        fb, _, _ = build_forward_batch(sb, executor.page_table, ps, runner.device)
         assert fb.is_decode_only and fb.batch_size == batch
         for first in ("fwd", "step") if k % 2 == 0 else ("step", "fwd"):
             t = now()
@@ -330,12 +333,12 @@ def measure_step_overhead(
                 bare_forward(fb)
                 fwd_times.append(since(t))
             else:
-                sched.step()
+                core.step()
                 step_times.append(since(t))
     phases = dict(timer.totals)
     timer.reset()
     seq_lens = [r.num_tokens for r in sched.running]
-    profile_text = _profile_steps(sched, iters=10) if args.profile else None
+    profile_text = _profile_steps(core, iters=10) if args.profile else None
     return _overhead_summary(batch, iters, step_times, fwd_times, phases, seq_lens, profile_text)
 
 
@@ -345,8 +348,11 @@ def _overhead_summary(batch, iters, step_times, fwd_times, phases, seq_lens, pro
 
     step_wall, step_cpu = statistics.mean(t[0] for t in step_times), med(step_times, 1)
     per_step = {k: v / iters for k, v in phases.items()}  # only step()'s own calls are wrapped
-    nested = per_step.get("sampler", 0.0) + per_step.get("append_detok_stop", 0.0)
-    per_step["sample_and_append_other"] = per_step.pop("sample_and_append", 0.0) - nested
+    # Nesting: executor_run > forward, sample; update > append_detok_stop.
+    per_step["executor_other"] = (
+        per_step.pop("executor_run", 0.0) - per_step.get("forward", 0.0) - per_step.get("sample", 0)
+    )
+    per_step["update_other"] = per_step.pop("update", 0.0) - per_step.get("append_detok_stop", 0)
     per_step["step_other"] = step_wall - sum(per_step.values())
     in_step_fwd = per_step["forward"]
     return {
@@ -366,20 +372,20 @@ def _overhead_summary(batch, iters, step_times, fwd_times, phases, seq_lens, pro
     }
 
 
-def _profile_steps(sched, iters: int) -> str:
+def _profile_steps(core, iters: int) -> str:
     """cProfile (Python functions) and torch.profiler (aten ops) over `iters` decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(iters):
-        sched.step()
+        core.step()
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(15)
     with profile(activities=[ProfilerActivity.CPU]) as tprof:
         for _ in range(iters):
-            sched.step()
+            core.step()
     ops = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     return buf.getvalue() + "\n" + ops
 

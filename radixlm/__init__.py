@@ -4,14 +4,17 @@ Request flow::
 
     lang program / HTTP client
        -> Engine.submit(Request)                      thread-safe queue
-       -> Scheduler.step():                           one iteration, on the engine thread
+       -> EngineCore.step():                          one iteration, on the engine thread
+          Scheduler.schedule() -> ScheduledBatch
             admit waiting requests (policy: lpm / fcfs): RadixCache.match_prefix -> reuse pages
             budget: max_batched_tokens (prefill chunks + one token per decode)
             allocate pages from BlockPool (evict LRU cache leaves; retract if still short)
-       -> ModelRunner.forward(ForwardBatch)           ragged: all new tokens in one tensor
-            attention: K/V written into pages, read back through page tables
-       -> Sampler -> OutputProcessor: append, stop checks, incremental detokenization
-       -> finished: RadixCache.insert(full pages), release the request's page refs
+          Executor.run(batch) -> StepOutput
+            ForwardBatch (persistent page table) -> ModelRunner.forward: one ragged forward
+            attention: K/V written into pages and read in place; grammar masks; sampling
+          Scheduler.update(batch, out): tokens appended (OutputProcessor: stop checks,
+            incremental detokenization), computed pages into the RadixCache, finished released
+          OutputProcessor.drain(): deltas to the sinks
 
 Public API: `Engine`, `SamplingParams`, and the frontend language (`radixlm.lang`), whose names
 are re-exported here so that an SGLang program runs with `import radixlm as sgl`: `function`,
@@ -29,7 +32,7 @@ _LANG = (
     "system_begin", "system_end", "user_begin", "user_end", "assistant_begin", "assistant_end",
     "set_default_backend", "get_default_backend", "flush_cache", "get_server_info", "var_scope",
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
-    "ChoicesSamplingMethod",
+    "ChoicesSamplingMethod", "tool", "tools_prompt", "parse_tool_calls", "ParsedToolCall",
 )  # fmt: skip
 __all__ = ["Engine", "SamplingParams", "GenerateResult", "EngineStats", *_LANG]
 

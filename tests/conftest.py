@@ -96,3 +96,10 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """Tiny Llama with `attention_bias=True`: biases on q/k/v and o_proj."""
+    out = tmp_path_factory.mktemp("tiny_llama_bias")
+    return _write_tiny_model(out, default_model_dir, "llama", seed=3, attention_bias=True)

@@ -99,9 +99,9 @@ def main() -> None:
 
     from radixlm.kernels.attention import page_table_indptr
     from radixlm.kernels.decode_attention import decode_attention
+    from radixlm.kernels.forward_batch import ForwardBatch, KVCache
     from radixlm.kernels.reference import TorchAttentionBackend
     from radixlm.kernels.triton_backend import choose_num_kv_splits
-    from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -109,8 +109,8 @@ def main() -> None:
         params = TINY
         args.batch, args.context, args.page_size, args.dtype, args.iters = 2, 20, 4, "float32", 1
 
-    from radixlm.kernels.registry import create_attention_backend
     from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+    from radixlm.kernels.registry import create_attention_backend
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, args.dtype)

@@ -105,49 +105,68 @@ class ForwardBatch:
         page_size: int,
         device: torch.device | str,
     ) -> ForwardBatch:
-        """Build from host lists.
+        """Build from host lists (tests, benchmarks; the engine keeps a persistent page table
+        and calls `from_parts`).
 
         `token_chunks[i]` are request i's new tokens at positions `prefix_lens[i]...`;
         `page_lists[i]` its page table (must cover `prefix_lens[i] + len(token_chunks[i])`);
         `logits_rows[i]` the offsets within its chunk whose logits are wanted.
         """
-        extend = [len(c) for c in token_chunks]
-        seq = [p + e for p, e in zip(prefix_lens, extend)]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        offset = 0
-        for chunk, start, pages, want in zip(token_chunks, prefix_lens, page_lists, logits_rows):
-            input_ids.extend(chunk)
-            for pos in range(start, start + len(chunk)):
-                positions.append(pos)
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-            rows.extend(offset + r for r in want)
-            offset += len(chunk)
         max_pages = max((len(p) for p in page_lists), default=1) or 1
         table = torch.zeros((len(page_lists), max_pages), dtype=torch.int32)
         for i, pages in enumerate(page_lists):
             if pages:
                 table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        indptr = [0]
-        for e in extend:
-            indptr.append(indptr[-1] + e)
+        ids: list[int] = []
+        rows: list[int] = []
+        for chunk, want in zip(token_chunks, logits_rows):
+            rows.extend(len(ids) + r for r in want)
+            ids.extend(chunk)
+        extend = [len(c) for c in token_chunks]
+        return cls.from_parts(ids, prefix_lens, extend, table, rows, page_size, device)
 
-        def t(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+    @classmethod
+    def from_parts(
+        cls,
+        input_ids: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        page_table: torch.Tensor,
+        logits_rows: list[int],
+        page_size: int,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """`input_ids` are the `T` new tokens of `B` requests back to back (request i: the next
+        `extend_lens[i]`, at positions `prefix_lens[i]...`); `page_table` `[B, >= max pages]`
+        int32 on the host; `logits_rows` index `input_ids`. Positions and slots are computed
+        with tensor ops: no per-token Python."""
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        num_tokens = len(input_ids)
+        max_pages = max(-(-s // page_size) for s in seq) if seq else 1
+        table = page_table[:, : max(1, max_pages)]  # [B, P] int32
+        ext_t = torch.tensor(extend_lens, dtype=torch.int64)  # [B]
+        pre_t = torch.tensor(prefix_lens, dtype=torch.int64)  # [B]
+        indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)  # [B + 1]
+        torch.cumsum(ext_t, 0, out=indptr[1:])
+        owner = torch.repeat_interleave(torch.arange(len(extend_lens)), ext_t)  # [T]
+        positions = torch.arange(num_tokens) - indptr[:-1][owner] + pre_t[owner]  # [T]
+        slots = table[owner, positions // page_size].to(torch.int64) * page_size  # [T]
+        slots += positions % page_size
+
+        def dev(x: torch.Tensor) -> torch.Tensor:
+            return x.to(device, non_blocking=True)
 
         return cls(
-            input_ids=t(input_ids, torch.int64),
-            positions=t(positions, torch.int64),
-            out_cache_loc=t(slots, torch.int64),
-            seq_lens=t(seq, torch.int32),
-            prefix_lens=t(prefix_lens, torch.int32),
-            extend_lens=t(extend, torch.int32),
-            qo_indptr=t(indptr, torch.int32),
-            page_table=table.to(device, non_blocking=True),
-            logits_indices=t(rows, torch.int64),
+            input_ids=dev(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=dev(positions),
+            out_cache_loc=dev(slots),
+            seq_lens=dev(torch.tensor(seq, dtype=torch.int32)),
+            prefix_lens=dev(pre_t.to(torch.int32)),
+            extend_lens=dev(ext_t.to(torch.int32)),
+            qo_indptr=dev(indptr.to(torch.int32)),
+            page_table=dev(table.contiguous()),
+            logits_indices=dev(torch.tensor(logits_rows, dtype=torch.int64)),
             page_size=page_size,
             seq_lens_cpu=seq,
-            extend_lens_cpu=extend,
+            extend_lens_cpu=list(extend_lens),
         )

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.registry import register_attention_backend
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.registry import register_attention_backend
 
 
 def store_kv(

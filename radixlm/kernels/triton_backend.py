@@ -23,9 +23,9 @@ from radixlm.kernels.decode_attention import (
     decode_mid_buffers,
 )
 from radixlm.kernels.extend_attention import extend_attention
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.kv_store import store_kv
 from radixlm.kernels.registry import register_attention_backend
-from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 
 
 def choose_num_kv_splits(

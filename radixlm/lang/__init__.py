@@ -38,6 +38,7 @@ from radixlm.lang.primitives import (
     system,
     system_begin,
     system_end,
+    tool,
     user,
     user_begin,
     user_end,
@@ -45,6 +46,7 @@ from radixlm.lang.primitives import (
 )
 from radixlm.lang.program import Program, function, get_default_backend, set_default_backend
 from radixlm.lang.state import ProgramState, ProgramStateGroup
+from radixlm.tool_calls import ParsedToolCall, parse_tool_calls, tools_prompt
 
 if TYPE_CHECKING:
     from radixlm.lang.backend.endpoint import RuntimeEndpoint
@@ -56,6 +58,7 @@ __all__ = [
     "BaseBackend",
     "ChoicesDecision",
     "ChoicesSamplingMethod",
+    "ParsedToolCall",
     "Program",
     "ProgramState",
     "ProgramStateGroup",
@@ -73,12 +76,15 @@ __all__ = [
     "get_default_backend",
     "get_server_info",
     "greedy_token_selection",
+    "parse_tool_calls",
     "select",
     "set_default_backend",
     "system",
     "system_begin",
     "system_end",
     "token_length_normalized",
+    "tool",
+    "tools_prompt",
     "unconditional_likelihood_normalized",
     "user",
     "user_begin",

@@ -59,6 +59,7 @@ class GenParams:
     dtype: str | None = None
     regex: str | None = None
     json_schema: str | None = None
+    tool_calls: str | None = None  # a `tool_calls` constraint spec, as JSON text
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -88,13 +89,17 @@ class GenParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def constraint_kwargs(self) -> dict[str, str]:
-        """`{"regex": ...}` / `{"json_schema": ...}` (a `dtype` is a regex), or `{}`."""
+        """`{"regex": ...}` / `{"json_schema": ...}` / `{"tool_calls": ...}` (a `dtype` is a
+        regex), or `{}`."""
         given = {"regex": self.regex, "json_schema": self.json_schema}
+        given["tool_calls"] = self.tool_calls
         if self.dtype is not None:
             given["dtype"] = DTYPE_REGEX[self.dtype]
         set_ = {k: v for k, v in given.items() if v is not None}
         if len(set_) > 1:
-            raise ValueError(f"gen: at most one of regex, json_schema, dtype, got {sorted(set_)}")
+            raise ValueError(
+                f"gen: at most one of regex, json_schema, dtype, tools, got {sorted(set_)}"
+            )
         if "dtype" in set_:
             return {"regex": set_.pop("dtype")}
         return set_

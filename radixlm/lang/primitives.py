@@ -3,6 +3,7 @@ the role markers `system` / `user` / `assistant` (wrappers) and `*_begin` / `*_e
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from radixlm.lang.choices import ChoicesSamplingMethod, token_length_normalized
 from radixlm.lang.ir import Expr, ExprList, Gen, GenParams, RoleBegin, RoleEnd, Select, as_expr
+from radixlm.tool_calls import tool_calls_spec
 
 if TYPE_CHECKING:
     from radixlm.lang.state import ProgramState
@@ -38,10 +40,17 @@ def gen(
     choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: str | Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
 ) -> Expr:
     """Generate into variable `name`. With `choices`, this is `select`. `regex`, `json_schema`
-    and `dtype` (int, float, bool, str) constrain the output. `logprob_start_len` and
-    `return_text_in_logprobs` are accepted for compatibility and have no effect."""
+    and `dtype` (int, float, bool, str) constrain the output. `tools` (OpenAI tool objects)
+    with `tool_choice` (`"auto"` by default, `"required"`, `"none"` or `{"type": "function",
+    "function": {"name": ...}}`) constrain tool calls written in the format of
+    `radixlm.tool_calls` (show the model the tools with `tools_prompt(tools)`); read them back
+    with `s.tool_calls(name)`. `logprob_start_len` and `return_text_in_logprobs` are accepted
+    for compatibility and have no effect."""
     if choices:
         return select(
             name,
@@ -54,6 +63,11 @@ def gen(
             re.compile(regex)
         except re.error as exc:
             raise ValueError(f"gen: invalid regex {regex!r}: {exc}") from None
+    spec = None
+    if tools:
+        spec = tool_calls_spec(tools, tool_choice, parallel_tool_calls)
+    elif tool_choice not in (None, "none"):
+        raise ValueError("gen: tool_choice needs tools")
     params = GenParams(
         max_new_tokens=max_tokens,
         min_new_tokens=min_tokens,
@@ -72,6 +86,7 @@ def gen(
         dtype=dtype,  # type: ignore[arg-type]
         regex=regex,
         json_schema=json_schema,  # type: ignore[arg-type]
+        tool_calls=json.dumps(spec) if spec is not None else None,
     )
     params.constraint_kwargs()  # at most one of regex / json_schema / dtype
     return Gen(name, params)
@@ -120,6 +135,11 @@ def user(expr: Any = None) -> ExprList:
 
 def assistant(expr: Any = None) -> ExprList:
     return _role("assistant", expr)
+
+
+def tool(expr: Any = None) -> ExprList:
+    """`s += tool(result)`: a tool result message (role `tool`) after a call."""
+    return _role("tool", expr)
 
 
 def system_begin() -> RoleBegin:

@@ -17,6 +17,7 @@ from radixlm.lang.ir import (
     VarScopeEnd,
     as_expr,
 )
+from radixlm.tool_calls import ParsedToolCall, parse_tool_calls
 
 _POLL_S = 0.5  # async iterators re-check at least this often
 
@@ -109,6 +110,11 @@ class ProgramState:
 
     def __getitem__(self, name: str) -> Any:
         return self.get_var(name)
+
+    def tool_calls(self, name: str) -> list[ParsedToolCall]:
+        """The tool calls in variable `name` (a `gen(name, tools=...)`), in order; `.name`,
+        `.arguments` (the JSON text) and `.args` (parsed)."""
+        return list(parse_tool_calls(self.get_var(name)).calls)
 
     def __contains__(self, name: str) -> bool:
         self.stream_executor.sync()

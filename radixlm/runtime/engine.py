@@ -23,6 +23,8 @@ import torch
 
 from radixlm.config import EngineConfig
 from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.executor import Executor
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
@@ -71,6 +73,7 @@ class Engine:
             cfg.cache,
             cfg.attention_backend,
             cfg.scheduler.max_model_len,
+            model_info=self.model_info,
         )
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
@@ -85,10 +88,9 @@ class Engine:
             self.runner.vocab_size,
             self.max_model_len,
             self.device,
-            seed=cfg.seed,
         )
+        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
         self.scheduler = Scheduler(
-            self.runner,
             self.pool,
             self.cache,
             cfg.scheduler,
@@ -96,6 +98,7 @@ class Engine:
             self.max_model_len,
             debug_integrity=cfg.debug_integrity,
         )
+        self.core = EngineCore(self.scheduler, self.executor, self.processor)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._grammar: GrammarManager | None = None
@@ -149,7 +152,9 @@ class Engine:
                         f"grammar backend {cfg.grammar_backend!r} is not installed "
                         f"(pip install 'radixlm[grammar]'): {exc}"
                     ) from None
-                self.processor.set_grammar(GrammarStep(mgr, self.device))
+                step = GrammarStep(mgr, self.device)
+                self.processor.set_grammar(step)
+                self.executor.set_grammar(step)
                 self._grammar = mgr
             return self._grammar
 
@@ -384,7 +389,7 @@ class Engine:
 
     def _step(self) -> None:
         try:
-            self.scheduler.step()
+            self.core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("engine step failed; failing the affected requests")
             self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.config import CacheConfig
-from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.models.llama import MODEL_REGISTRY
+
+if TYPE_CHECKING:
+    from radixlm.runtime.models.loader import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +50,15 @@ class ModelRunner:
         cache_config: CacheConfig,
         attention_backend: str = "auto",
         max_model_len: int | None = None,
+        model_info: ModelInfo | None = None,
     ) -> None:
-        from transformers import AutoConfig
-
-        from radixlm.runtime.models.loader import iter_safetensors
+        from radixlm.runtime.models.loader import iter_safetensors, load_model_info
 
         self.device = device
         self.dtype = DTYPES[dtype]
-        hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        info = model_info or load_model_info(model_dir)
+        hf_config = info.hf_config
+        arch = info.architecture
         if arch not in MODEL_REGISTRY:
             raise ValueError(
                 f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}"

@@ -1,10 +1,12 @@
-"""Sampling and per-token bookkeeping: append, stop checks, detokenize, emit deltas.
+"""Per-token bookkeeping after sampling: append, stop checks, detokenize, emit deltas.
 
-Runs on the engine's step thread. Outputs are queued during a step and handed to the requests'
-sinks by `drain()` at the end of the step, after the scheduler has released finished pages.
+Runs on the engine's step thread (called by `Scheduler.update`). Outputs are queued during a step
+and handed to the requests' sinks by `drain()` at the end of the step, after the scheduler has
+released finished pages. Sampling itself is the executor's (`radixlm.runtime.executor`).
 
-Constrained requests (`req.grammar`): the logits are masked by `GrammarStep` before sampling, and
-one sample may append several tokens (jump-forward); they go through the same per-token stop
+Constrained requests (`req.grammar`): the executor masked the logits before sampling; here the
+sampled token advances the matcher, and one sample may append several tokens (jump-forward);
+they go through the same per-token stop
 checks (stop strings, `max_new_tokens`), the first finish wins, and the step emits one delta per
 request. Logprobs are the raw model's (before the grammar mask); forced tokens report 0.0.
 """
@@ -20,12 +22,7 @@ import torch
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.detokenizer import IncrementalDetokenizer, stop_token_hit
 from radixlm.runtime.request import Request, RequestOutput, RequestStatus, TokenLogprob
-from radixlm.runtime.sampler import (
-    Sampler,
-    SamplingBatchInfo,
-    make_generator,
-    min_tokens_suppress_ids,
-)
+from radixlm.runtime.sampler import make_generator
 
 
 class OutputProcessor:
@@ -36,14 +33,12 @@ class OutputProcessor:
         vocab_size: int,
         max_model_len: int,
         device: torch.device,
-        seed: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.device = device
-        self.sampler = Sampler(seed=seed)
         self._pending: list[tuple[Request, RequestOutput]] = []
         # Per-request cursor: how many output tokens / logprobs were already emitted.
         self._emitted: dict[int, int] = {}
@@ -84,43 +79,15 @@ class OutputProcessor:
 
     # ---- per step ------------------------------------------------------------------------------
 
-    def sample_and_append(
-        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
+    def append(
+        self, reqs: Sequence[Request], token_ids: Sequence[int], logprobs: Sequence[Any]
     ) -> list[Request]:
-        """Sample one token for each request from `logits[rows[i]]`; return the finished ones."""
-        if not reqs:
-            return []
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
-        params = [r.params for r in reqs]
-        suppress = [
-            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
-        ]
-        raw = None
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
-            if any(r.grammar is not None and r.params.logprobs for r in reqs):
-                raw = logits.clone()  # [B, V] logprobs are the unmasked model's
-            # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
-            # output or the row gather above), read by nothing else.
-            suppress = self.grammar.mask(reqs, logits, suppress)
-        needs_hist = any(p.needs_penalties for p in params)
-        info = SamplingBatchInfo.build(
-            params,
-            [r.generator for r in reqs],
-            [r.prompt_token_ids if needs_hist else () for r in reqs],
-            [r.output_token_ids if needs_hist else () for r in reqs],
-            self.vocab_size,
-            logits.device,
-            suppress_token_ids=suppress,
-        )
-        out = self.sampler(logits, info, raw_logits=raw)
+        """Append each request's sampled token (constrained ones: accept it in the grammar and
+        jump forward), run the stop checks, detokenize, queue one delta per request; return the
+        finished ones. `logprobs[i]` is a `TokenLogprob` or None."""
         finished = []
         now = time.monotonic()
-        for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
-            lp = None
-            if req.params.logprobs:
-                top = out.top_logprobs[i] if out.top_logprobs else None
-                lp = TokenLogprob(tok, out.logprobs[i], top or [])
+        for req, tok, lp in zip(reqs, token_ids, logprobs):
             if req.grammar is None:
                 done = self._append_sampled(req, tok, lp, now)
             else:
@@ -170,6 +137,7 @@ class OutputProcessor:
         `grammar_stop`: the grammar is complete after this token (finish "stop", before any
         length limit)."""
         req.token_ids.append(tok)
+        req.output_counts[tok] += 1
         self.num_output_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now
@@ -225,7 +193,7 @@ class OutputProcessor:
     def _queue(self, req: Request, text: str) -> None:
         key = id(req)
         start = self._emitted.get(key, 0)
-        new_tokens = req.output_token_ids[start:]
+        new_tokens = req.token_ids[req.num_prompt_tokens + start :]  # only the new ones
         new_lps = req.output_logprobs[start:] if req.params.logprobs else []
         finished = req.status is RequestStatus.FINISHED
         if finished:
@@ -239,7 +207,7 @@ class OutputProcessor:
                     request_id=req.request_id,
                     index=req.index,
                     text=text,
-                    token_ids=list(new_tokens),
+                    token_ids=new_tokens,
                     logprobs=list(new_lps),
                     finished=finished,
                     finish_reason=req.finish_reason if finished else None,

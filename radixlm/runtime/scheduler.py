@@ -1,9 +1,11 @@
 """Iteration-level continuous batching over the radix cache.
 
-One `step()`: schedule running requests (decodes and unfinished prefill chunks) first, then admit
-waiting ones by policy, all under `max_batched_tokens`; run a single ragged forward; sample; append
-tokens and finish requests. Memory pressure: evict unlocked cache leaves (LRU), then retract the
-running request with the least progress (its computed full pages go to the radix cache first, so
+`schedule() -> ScheduledBatch`: running requests (decodes and unfinished prefill chunks) first,
+then waiting ones admitted by policy, all under `max_batched_tokens`; the executor runs the batch
+(one ragged forward, sampling); `update(batch, StepOutput)` advances the computed tokens, caches
+computed pages, appends the sampled tokens (through the output processor) and finishes requests.
+Memory pressure: evict unlocked cache leaves (LRU), then retract the running request with the
+least progress (its computed full pages go to the radix cache first, so
 recomputation is mostly prefix hits). A request that cannot fit even alone fails with an error.
 
 Constrained requests wait in the queue until their grammar is compiled (in the grammar
@@ -26,14 +28,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.batch import SampleSlot, ScheduledBatch, ScheduledItem, StepOutput
 from radixlm.runtime.constrained import take_compiled_grammar
-from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.output_processor import OutputProcessor
-from radixlm.runtime.request import Request, RequestOutput, RequestStatus
+from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
 
 logger = logging.getLogger(__name__)
@@ -41,12 +41,6 @@ logger = logging.getLogger(__name__)
 # A waiting request whose next page of prompt beyond its cache hit is being prefilled by a running
 # request waits for that prefill to land in the cache instead of computing it again (in-batch
 # prefix caching; the leader caches each chunk as it completes, so the wait is a step or a few).
-
-
-@dataclass
-class ScheduledItem:
-    req: Request
-    num_tokens: int  # new tokens computed for this request this step
 
 
 @dataclass
@@ -62,7 +56,6 @@ class StepStats:
 class Scheduler:
     def __init__(
         self,
-        runner,
         pool: BlockPool,
         cache: RadixCache,
         config: SchedulerConfig,
@@ -71,7 +64,6 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         debug_integrity: bool = False,
     ) -> None:
-        self.runner = runner
         self.pool = pool
         self.cache = cache
         self.config = config
@@ -141,31 +133,54 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------------
 
-    def schedule(self) -> list[ScheduledItem]:
+    def schedule(self) -> ScheduledBatch:
         cfg = self.config
         items: list[ScheduledItem] = []
+        used = 0  # tokens scheduled so far
         chunk_cap = cfg.chunked_prefill_size or math.inf
         self._poll_grammars()
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
-            budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
-            n = int(min(req.num_uncomputed, chunk_cap, budget))
+            n = int(min(req.num_uncomputed, chunk_cap, cfg.max_batched_tokens - used))
             if n <= 0:
                 continue
-            if self._ensure_pages(req, req.num_computed_tokens + n, items):
+            retractions = self.num_retractions
+            ok = self._ensure_pages(req, req.num_computed_tokens + n, items)
+            if ok:
                 items.append(ScheduledItem(req, n))
-        self._admit(items)
-        return items
+            if self.num_retractions != retractions:
+                used = sum(i.num_tokens for i in items)  # a retraction dropped an item
+            elif ok:
+                used += n
+        self._admit(items, used)
+        batch = ScheduledBatch(items)
+        for k, item in enumerate(items):
+            req = item.req
+            if req.num_computed_tokens + item.num_tokens == req.num_tokens:
+                batch.samples.append(SampleSlot(req, k))
+        self._plan_forks(batch)
+        return batch
 
-    def _admit(self, items: list[ScheduledItem]) -> None:
+    def _admit(self, items: list[ScheduledItem], used: int) -> None:
+        """Admit waiting requests in policy order while a slot, budget and pages last.
+
+        NOTE: admission stops at the first request that cannot get pages (no head-of-line
+        skipping): letting smaller requests pass would starve a large one under load."""
         cfg = self.config
+        if (
+            not self.waiting
+            or len(self.running) >= cfg.max_running_requests
+            or used >= cfg.max_batched_tokens
+        ):
+            return  # nothing can be admitted: skip the policy's ordering (prefix lookups)
         chunk_cap = cfg.chunked_prefill_size or math.inf
         inflight = self._inflight_prefixes()
+        removed: set[int] = set()
         for req in self.policy.order(self.waiting):
             if len(self.running) >= cfg.max_running_requests:
                 break
-            budget = cfg.max_batched_tokens - sum(i.num_tokens for i in items)
+            budget = cfg.max_batched_tokens - used
             if budget <= 0:
                 break
             if req.grammar_pending:
@@ -179,6 +194,7 @@ class Scheduler:
             m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
             self.cache.lock(m.node)
             req.pages = list(m.pages)
+            req.page_gen += 1
             req.num_computed_tokens = m.num_tokens
             remaining = req.num_uncomputed
             if cfg.chunked_prefill_size is None:
@@ -192,11 +208,11 @@ class Scheduler:
             if not self._alloc_for_admission(req, req.num_computed_tokens + n):
                 self._release(req)
                 if not self.running and not items:
-                    self.waiting.remove(req)
+                    removed.add(id(req))
                     self.processor.fail(req, self._capacity_error(req))
                     continue
                 break
-            self.waiting.remove(req)
+            removed.add(id(req))
             if not req.admitted_once:
                 req.admitted_once = True
                 req.num_cached_tokens = m.num_tokens
@@ -204,8 +220,43 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append(ScheduledItem(req, n))
+            used += n
             if self.cache.enabled:
                 inflight.update(req.prompt_page_hashes(self.page_size))
+        if removed:
+            self.waiting = deque(r for r in self.waiting if id(r) not in removed)
+
+    def _plan_forks(self, batch: ScheduledBatch) -> None:
+        """n > 1: a request whose prompt completes this step forks its branches. They sample
+        from its logits row; in `update` they share its full prompt pages (ref counts), and
+        the partial last page is copied (by the executor, after the forward) into a page of
+        their own. A branch that gets no page now re-admits later on a prefix hit."""
+        ps = self.page_size
+        for k, item in enumerate(batch.items):
+            parent = item.req
+            total = parent.num_computed_tokens + item.num_tokens
+            if parent.pending_forks == 0 or total != parent.num_prompt_tokens:
+                continue
+            partial = total % ps != 0
+            for j in range(parent.pending_forks):
+                child = self.processor.make_branch(parent, index=j + 1)
+                dst = None
+                if partial:
+                    if self.pool.num_free < 1:
+                        self.cache.evict(1)
+                    if self.pool.num_free < 1:
+                        self.waiting.append(child)
+                        continue
+                    dst = self.pool.alloc(1)[0]
+                    batch.page_copies.append((parent.pages[total // ps], dst))
+                # NOTE: running (holding only its copy page) from now on, so that a failed
+                # step releases the page; `update` gives it the shared prefix.
+                child.pages = [dst] if dst is not None else []
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+                batch.forks.append((parent, child, dst))
+                batch.samples.append(SampleSlot(child, k))
+            parent.pending_forks = 0
 
     def _inflight_prefixes(self) -> set[int]:
         """Page-prefix hashes of prompts still being prefilled (in-batch prefix sharing)."""
@@ -279,6 +330,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.pool.decref(req.pages)
         req.pages = []
+        req.page_gen += 1
         req.num_computed_tokens = 0
 
     def _cache_computed(self, req: Request) -> None:
@@ -289,133 +341,67 @@ class Scheduler:
         full = self.cache.insert_and_adopt(
             req.token_ids[: num_full * self.page_size], req.pages[:num_full], req.namespace
         )
-        req.pages[:num_full] = full
+        if full != req.pages[:num_full]:
+            req.pages[:num_full] = full
+            req.page_gen += 1
 
     # ---- one iteration -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        items = self.schedule()
-        if not items:
-            self.last_step = StepStats(step_seconds=time.perf_counter() - t0)
-            return self.processor.drain()
-        sample_items = [
-            i for i in items if i.req.num_computed_tokens + i.num_tokens == i.req.num_tokens
-        ]
-        batch, sample_rows = self._build_batch(items, {id(i.req) for i in sample_items})
-        t1 = time.perf_counter()
-        logits = self.runner.forward(batch)  # [R, V]: prompt-logprob rows + one per sampler
-        self.num_forwards += 1
-        t2 = time.perf_counter()
-        if len(sample_rows) != logits.shape[0]:
-            self._record_prompt_logprobs(items, logits)
-            logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=logits.device)]
-        for item in items:
+    def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Request]:
+        """Apply the executor's output: advance the computed tokens (caching each computed
+        prompt chunk for later arrivals), record prompt logprobs, give forked branches their
+        prefix, append the sampled tokens; finish and release the requests that ended."""
+        for k, item in enumerate(batch.items):
             req = item.req
+            if k in out.prompt_logprobs:
+                self._record_prompt_logprobs(req, *out.prompt_logprobs[k])
             was_prefill = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += item.num_tokens
             if was_prefill:
                 self.total_computed_prompt_tokens += item.num_tokens
                 self._cache_computed(req)  # share each computed chunk with later arrivals
-        reqs = [i.req for i in sample_items]
-        rows = list(range(len(reqs)))
-        for row, req in enumerate(list(reqs)):
-            for child in self._fork(req):
-                reqs.append(child)
-                rows.append(row)
-        appended = self.processor.num_output_tokens
-        finished = self.processor.sample_and_append(reqs, logits, rows)
-        self.total_generated_tokens += self.processor.num_output_tokens - appended
-        for req in finished:
-            if req in self.running:
-                self.running.remove(req)
-            self._finish(req, None)
-        n_prefill = sum(i.num_tokens for i in items if i.num_tokens > 1)
-        self.last_step = StepStats(
-            num_tokens=batch.num_tokens,
-            num_requests=len(items),
-            num_prefill_tokens=n_prefill,
-            num_decode_tokens=batch.num_tokens - n_prefill,
-            forward_seconds=t2 - t1,
-            step_seconds=time.perf_counter() - t0,
-        )
-        if self.debug_integrity:
-            self.check_integrity()
-        return self.processor.drain()
-
-    def _build_batch(
-        self, items: list[ScheduledItem], sampling: set[int]
-    ) -> tuple[ForwardBatch, list[int]]:
-        """The ragged batch, and which of its logits rows are the sampling rows (the others
-        are prompt-logprob rows, in item order, before each item's sampling row)."""
-        chunks, prefix, pages, rows = [], [], [], []
-        sample_rows: list[int] = []
-        num_rows = 0
-        for item in items:
-            req = item.req
-            start = req.num_computed_tokens
-            chunks.append(req.token_ids[start : start + item.num_tokens])
-            prefix.append(start)
-            pages.append(req.pages)
-            want = [p - start for p in req.prompt_logprob_positions(start, item.num_tokens)]
-            if id(req) in sampling:
-                want.append(item.num_tokens - 1)
-                sample_rows.append(num_rows + len(want) - 1)
-            num_rows += len(want)
-            rows.append(want)
-        batch = ForwardBatch.build(chunks, prefix, pages, rows, self.page_size, self.runner.device)
-        return batch, sample_rows
-
-    def _record_prompt_logprobs(self, items: list[ScheduledItem], logits: torch.Tensor) -> None:
-        """Fill `req.prompt_logprobs` from the prompt rows of this step's logits."""
-        row = 0
-        for item in items:
-            req = item.req
-            start = req.num_computed_tokens  # not advanced yet
-            positions = req.prompt_logprob_positions(start, item.num_tokens)
-            if len(positions):
-                k = req.prompt_logprob_start
-                if req.prompt_logprobs is None:
-                    req.prompt_logprobs = [None] * (req.num_prompt_tokens - k)
-                lp = torch.log_softmax(logits[row : row + len(positions)].float(), dim=-1)
-                targets = torch.tensor(req.token_ids[positions.start + 1 : positions.stop + 1])
-                picked = lp.gather(1, targets.to(lp.device)[:, None])[:, 0].tolist()
-                for p, v in zip(positions, picked):
-                    req.prompt_logprobs[p + 1 - k] = v
-                row += len(positions)
-            if req.num_computed_tokens + item.num_tokens == req.num_tokens:
-                row += 1  # its sampling row
-
-    def _fork(self, parent: Request) -> list[Request]:
-        """n > 1: branches share the computed prompt's full pages; the partial page is copied."""
-        if parent.pending_forks == 0 or parent.num_computed_tokens != parent.num_prompt_tokens:
-            return []
-        children = []
-        num_full = parent.num_computed_tokens // self.page_size
-        partial = len(parent.pages) > num_full
-        for k in range(parent.pending_forks):
-            child = self.processor.make_branch(parent, index=k + 1)
-            if partial:
-                if self.pool.num_free < 1:
-                    self.cache.evict(1)
-                if self.pool.num_free < 1:
-                    # No page for the copy now: the branch re-admits later on a prefix hit.
-                    self.waiting.append(child)
-                    continue
-                new = self.pool.alloc(1)
-                self.runner.kv_cache.copy_pages([parent.pages[num_full]], new)
-            else:
-                new = []
+        for parent, child, dst in batch.forks:
+            num_full = parent.num_computed_tokens // self.page_size
             self.pool.incref(parent.pages[:num_full])
-            child.pages = parent.pages[:num_full] + new
+            child.pages = parent.pages[:num_full] + ([dst] if dst is not None else [])
+            child.page_gen += 1
             child.num_computed_tokens = parent.num_computed_tokens
             child.admitted_once = True
             child.num_cached_tokens = parent.num_cached_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-            children.append(child)
-        parent.pending_forks = 0
-        return children
+        appended = self.processor.num_output_tokens
+        finished = self.processor.append(
+            [s.req for s in batch.samples], out.token_ids, out.logprobs
+        )
+        self.total_generated_tokens += self.processor.num_output_tokens - appended
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for req in finished:
+                self._finish(req, None)
+        self.num_forwards += 1
+        num_tokens = batch.num_tokens
+        n_prefill = sum(i.num_tokens for i in batch.items if i.num_tokens > 1)
+        self.last_step = StepStats(
+            num_tokens=num_tokens,
+            num_requests=len(batch.items),
+            num_prefill_tokens=n_prefill,
+            num_decode_tokens=num_tokens - n_prefill,
+            forward_seconds=out.forward_seconds,
+            step_seconds=out.forward_seconds + out.sample_seconds,
+        )
+        if self.debug_integrity:
+            self.check_integrity()
+        return finished
+
+    @staticmethod
+    def _record_prompt_logprobs(req: Request, positions: range, values: list[float]) -> None:
+        """Entry `p + 1 - start` of `req.prompt_logprobs` is log p(prompt[p + 1])."""
+        k = req.prompt_logprob_start
+        assert k is not None
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * (req.num_prompt_tokens - k)
+        for p, v in zip(positions, values):
+            req.prompt_logprobs[p + 1 - k] = v
 
     def _finish(self, req: Request, reason: str | None) -> None:
         """Release a request's pages (caching its full pages first) and emit its last delta."""
@@ -430,9 +416,7 @@ class Scheduler:
         """After an internal error: fail every request and release its pages (no caching: the
         state of the failed step is not trusted)."""
         for req in [*self.running, *self.waiting]:
-            self.pool.decref(req.pages)
-            req.pages = []
-            req.num_computed_tokens = 0
+            self._release(req)
             self.processor.fail(req, message)
         self.running.clear()
         self.waiting.clear()

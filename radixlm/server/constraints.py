@@ -3,9 +3,11 @@ receives them, turned into the engine's `Constraint`.
 
 Where they come from: OpenAI `response_format` (`json_object`, or `json_schema` with its
 `schema`), the `regex` / `ebnf` extra body fields, and the native `sampling_params.json_schema` /
-`regex` / `ebnf`. `grammar_best_effort: true` (or an explicit `json_schema.strict: false`) asks
-for best-effort decoding of schema keywords the backend cannot enforce; `grammar_whitespace`
-(`"compact"`, the default, or `"any"`) controls whitespace in generated JSON.
+`regex` / `ebnf`, and tool calls (`tools` / `tool_choice`, or the native
+`sampling_params.tool_calls`: see `radixlm.server.tools`). `grammar_best_effort: true` (or an
+explicit `json_schema.strict: false`) asks for best-effort decoding of schema keywords the
+backend cannot enforce; `grammar_whitespace` (`"compact"`, the default, or `"any"`) controls
+whitespace in generated JSON.
 
 Every problem is a 400 naming the API field: malformed (`make_constraint`, no engine needed),
 then invalid / unsupported for the engine's grammar backend (`check_constraint`, off the event
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ApiConstraintKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+ApiConstraintKind = Literal[
+    "json_object", "json_schema", "regex", "ebnf", "structural_tag", "tool_calls"
+]
 
 
 @dataclass(frozen=True)

@@ -182,12 +182,13 @@ def _constraint(sp: NativeSamplingParams) -> RequestConstraint | None:
             best_effort=sp.grammar_best_effort,
             whitespace=sp.grammar_whitespace,
         )
-        for kind in ("json_schema", "regex", "ebnf", "structural_tag")
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag", "tool_calls")
         if getattr(sp, kind) is not None
     ]
     if len(found) > 1:
         raise ApiError(
-            f"{_SP}: only one of json_schema, regex, ebnf and structural_tag may be given",
+            f"{_SP}: only one of json_schema, regex, ebnf, structural_tag and tool_calls may be "
+            "given",
             param=found[1].param,
         )
     return found[0] if found else None

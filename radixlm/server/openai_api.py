@@ -28,6 +28,7 @@ from radixlm.server.serving import (
     sampling_params,
     sse,
 )
+from radixlm.server.tools import ChoiceToolState, tool_request
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -39,8 +40,9 @@ COMPLETION_NAMES = {
 }
 CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
-# Builds one choice of a chunk: (choice index, delta, text offset so far) -> choice dict.
-ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any]]
+# Builds one choice of a chunk: (choice index, delta, text offset so far) -> choice dict, or
+# None when the delta has nothing to send yet.
+ChoiceBuilder = Callable[[int, RequestOutput, int], dict[str, Any] | None]
 
 
 def _client(request: Request) -> EngineClient:
@@ -237,13 +239,14 @@ def _completion_logprobs(
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     client = _client(request)
-    _reject(bool(body.tools), "tools", "tool calling is not supported")
-    _reject(body.tool_choice not in (None, "none", "auto"), "tool_choice", "not supported")
     _reject(bool(body.top_logprobs) and not body.logprobs, "top_logprobs", "requires logprobs=true")
     client.check_n(body.n)
-    constraint = await _constraint(client, body)
+    tools = await tool_request(client, body)
+    constraint = tools.constraint if tools and tools.constraint else await _constraint(client, body)
     messages = [_message_dict(m) for m in body.messages]
-    prompt = await client.chat_prompt(messages, body.continue_final_message)
+    prompt = await client.chat_prompt(
+        messages, body.continue_final_message, tools.tools if tools else None
+    )
     ids = await client.tokenize(prompt, "messages")
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     remaining = client.engine.max_model_len - len(ids)
@@ -255,29 +258,65 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     group = client.submit([GenerationRequest(ids, params, rid, constraint)])
     head = {"id": rid, "object": "chat.completion", "created": int(time.time())}
     head["model"] = client.model_name
+    parse_calls = tools is not None and tools.parses_calls
+    states: dict[int, ChoiceToolState] = {}
 
-    def message(out: RequestOutput | Completion, key: str) -> dict[str, Any]:
+    def state(index: int) -> ChoiceToolState:
+        return states.setdefault(index, ChoiceToolState())
+
+    def choice(out: RequestOutput | Completion, key: str, body_: dict[str, Any]) -> dict[str, Any]:
         lps = {"content": _chat_logprobs(client, out.logprobs)} if body.logprobs else None
         finished = out.finish_reason is not None
+        reason = out.finish_reason if finished else None
+        if parse_calls and finished:
+            reason = state(out.index).finish_reason(reason)
         return {
             "index": out.index,
-            key: {"role": "assistant", "content": out.text} if key == "message" else _delta(out),
+            key: body_,
             "logprobs": lps,
-            "finish_reason": out.finish_reason if finished else None,
+            "finish_reason": reason,
             "stop_reason": out.stop_reason if finished else None,
         }
 
+    def message(out: Completion) -> dict[str, Any]:
+        if not parse_calls:
+            return choice(out, "message", {"role": "assistant", "content": out.text})
+        st = state(out.index)
+        st.delta(out.text, finished=True)
+        calls = st.message_tool_calls()
+        content = st.parser.result().content
+        msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            msg["tool_calls"] = calls
+        elif not content:
+            msg["content"] = ""
+        return choice(out, "message", msg)
+
+    def delta(index: int, out: RequestOutput, _offset: int) -> dict[str, Any] | None:
+        if not parse_calls:
+            return choice(out, "delta", _delta(out))
+        st = state(out.index)
+        parsed = st.delta(out.text, out.finished)
+        d: dict[str, Any] = {}
+        if parsed.content:
+            d["content"] = parsed.content
+        if parsed.calls:
+            d["tool_calls"] = st.delta_tool_calls(parsed)
+        if not d and not out.finished and not (body.logprobs and out.logprobs):
+            return None  # held back: might be the start of a call
+        return choice(out, "delta", d)
+
     def build(outs: list[list[Completion]]) -> dict[str, Any]:
-        choices = [message(c, "message") for c in outs[0]]
+        choices = [message(c) for c in outs[0]]
         return {**head, "choices": choices, "usage": group.usage()}
 
     def first(index: int) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": None if parse_calls else ""}
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def chunks() -> AsyncIterator[bytes]:
         stream_head = {**head, "object": "chat.completion.chunk"}
-        return _stream(group, body, stream_head, lambda i, o, _: message(o, "delta"), first)
+        return _stream(group, body, stream_head, delta, first)
 
     return await _respond(request, group, body.stream, build, chunks)
 
@@ -337,6 +376,8 @@ async def _stream(
             index = k * body.n + out.index
             offset = offsets.get(index, 0)
             c = choice(index, out, offset)
+            if c is None:
+                continue
             c["index"] = index
             offsets[index] = offset + len(c.get("text", ""))
             yield sse({**head, "choices": [c], **_usage(group, opts)})

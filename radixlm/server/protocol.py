@@ -125,15 +125,41 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Strict):
+    """`tools[i].function`: the name is checked in `radixlm.server.tools` (a-z, A-Z, 0-9, `_`,
+    `-`; at most 64), `parameters` is a JSON schema object (default: any object)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`{"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     store: bool | None = None
@@ -169,6 +195,9 @@ class NativeSamplingParams(_Strict):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # radixlm: a `tool_calls` constraint spec ({"tools": [{"name", "parameters"}], "mode":
+    # "required" | "auto", "parallel": bool}), what `gen(tools=...)` sends
+    tool_calls: str | dict[str, Any] | None = None
     grammar_best_effort: bool = False
     grammar_whitespace: Literal["compact", "any"] = "compact"
     stream_interval: PositiveInt | None = None

@@ -225,6 +225,7 @@ class EngineClient:
         self.active: dict[str, RequestGroup] = {}
         self.model_name = config.served_model_name or _model_name(engine)
         self._token_text: dict[int, str] = {}
+        self._template_tools: bool | None = None
 
     # ---- preparation --------------------------------------------------------------------------
 
@@ -237,19 +238,47 @@ class EngineClient:
             raise ApiError(f"{param}: the prompt must contain at least one token", param=param)
         return ids
 
-    async def chat_prompt(self, messages: list[dict[str, Any]], continue_final: bool) -> str:
+    async def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        continue_final: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a chat request; `tools` (and earlier tool turns) are rendered by
+        the model's template when it supports them, else as `radixlm.server.tools` documents."""
+        from radixlm.server.tools import messages_for_template
+
         def render() -> str:
+            native = self.template_renders_tools()
+            kwargs = {"tools": tools} if tools and native else {}
             return self.engine.tokenizer.apply_chat_template(
-                messages,
+                messages_for_template(messages, tools, native),
                 tokenize=False,
                 add_generation_prompt=not continue_final,
                 continue_final_message=continue_final,
+                **kwargs,
             )
 
         try:
             return await run_in_threadpool(render)
+        except ApiError:
+            raise
         except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
             raise ApiError(f"messages: cannot apply the chat template: {exc}", "messages") from exc
+
+    def template_renders_tools(self) -> bool:
+        """Whether the model's chat template renders a `tools=` argument (it changes the text)."""
+        if self._template_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "parameters": {}}}
+            tok = self.engine.tokenizer
+            try:
+                plain = tok.apply_chat_template(probe, tokenize=False)
+                with_tools = tok.apply_chat_template(probe, tools=[tool], tokenize=False)
+                self._template_tools = plain != with_tools
+            except Exception:  # noqa: BLE001 - no template, or one that rejects tools
+                self._template_tools = False
+        return self._template_tools
 
     def check_n(self, n: int, param: str = "n") -> None:
         if n > self.config.max_n:

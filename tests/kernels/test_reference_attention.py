@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.reference import TorchAttentionBackend
 
 
 def dense_reference(q, k, v, prefix: int, scale: float) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 
 from radixlm import Engine, SamplingParams
 from radixlm.config import CacheConfig
-from radixlm.kernels.registry import available_backends, resolve_backend_name
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kernels.registry import available_backends, resolve_backend_name
 from radixlm.runtime.model_runner import ModelRunner
 
 SHARED = [(i * 7919) % 40000 + 5 for i in range(11)]  # 11 tokens: not a multiple of page_size 4

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from radixlm.kernels.extend_attention import extend_attention
+from radixlm.kernels.forward_batch import KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.triton_backend import TritonAttentionBackend
-from radixlm.kernels.forward_batch import KVCache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

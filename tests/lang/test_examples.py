@@ -79,3 +79,20 @@ def test_branch_merge(runtime):
     assert len(s["view"]) == 3
     text = s.text()
     assert text.index("- cost:") < text.index("- health:") < text.index("my advice is")
+
+
+def test_tool_calling_runs_the_called_functions(runtime, capsys):
+    import jsonschema
+
+    example = load("tool_calling")
+    states = example.main(["--max-tokens", "40", "--max-steps", "2"], backend=runtime)
+    assert all(s.error() is None for s in states)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in example.TOOLS}
+    for s in states:
+        assert s.ret_value, "the first turn is required to call a tool"
+        for name, args, result in s.ret_value:
+            jsonschema.validate(args, schemas[name])
+            assert result == example.FUNCTIONS[name](**args)
+        roles = [m["role"] for m in s.messages()]
+        assert roles[:4] == ["system", "user", "assistant", "tool"]
+    assert "add(" in capsys.readouterr().out

@@ -53,3 +53,19 @@ class FakeRunner:
             context = [int(v) - 1 for v in vals]
             logits[r, reference_next(context)] = 10.0
         return logits
+
+
+def attach_core(scheduler, runner: FakeRunner, grammar=None):
+    """Give a test scheduler a `step()` (the engine's four-line step over an `Executor` on the
+    fake runner) and a `runner` attribute; returns the scheduler."""
+    from radixlm.runtime.engine_core import EngineCore
+    from radixlm.runtime.executor import Executor
+
+    executor = Executor(runner, [EOS], seed=0)
+    if grammar is not None:
+        executor.set_grammar(grammar)
+    core = EngineCore(scheduler, executor, scheduler.processor)
+    scheduler.runner = runner
+    scheduler.executor = executor
+    scheduler.step = core.step
+    return scheduler

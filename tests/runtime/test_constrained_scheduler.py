@@ -8,7 +8,7 @@ import re
 import threading
 
 import pytest
-from fake_runner import EOS, VOCAB, FakeRunner
+from fake_runner import EOS, VOCAB, FakeRunner, attach_core
 
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
@@ -70,8 +70,10 @@ def make(mgr: GrammarManager, num_pages: int = 64, page_size: int = 4, **cfg) ->
     pool = BlockPool(num_pages, page_size)
     cache = RadixCache(pool)
     proc = OutputProcessor(None, [EOS], VOCAB, 4096, runner.device)
-    proc.set_grammar(GrammarStep(mgr, runner.device))
-    return Scheduler(runner, pool, cache, SchedulerConfig(**cfg), proc, 4096, debug_integrity=True)
+    step = GrammarStep(mgr, runner.device)
+    proc.set_grammar(step)
+    s = Scheduler(pool, cache, SchedulerConfig(**cfg), proc, 4096, debug_integrity=True)
+    return attach_core(s, runner, grammar=step)
 
 
 def req(

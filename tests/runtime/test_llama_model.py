@@ -95,3 +95,13 @@ def test_missing_weight_is_an_error(tiny_llama_dir, tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(KeyError, match="missing"):
         ModelRunner(d, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=16))
+
+
+def test_llama_attention_bias_on_every_projection(tiny_llama_bias_dir):
+    """Llama's `attention_bias=True` puts a bias on q/k/v *and* o_proj (Qwen2: q/k/v only)."""
+    d = tiny_llama_bias_dir
+    ids = [(i * 7919) % 40000 + 5 for i in range(24)]
+    runner = ModelRunner(d, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=8))
+    assert runner.model.layers[0].self_attn.o_proj.bias is not None
+    ours = run_chunks(runner, ids, [10, 14])
+    torch.testing.assert_close(ours, hf_logits(d, ids), atol=2e-4, rtol=1e-4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_runner import EOS, FakeRunner, reference_continuation
+from fake_runner import EOS, FakeRunner, attach_core, reference_continuation
 
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
@@ -36,16 +36,10 @@ def make(
     cache = RadixCache(pool, enabled=caching)
     proc = OutputProcessor(None, [EOS], runner.vocab_size, max_model_len, runner.device)
     config = SchedulerConfig(**cfg)
-    return Scheduler(
-        runner,
-        pool,
-        cache,
-        config,
-        proc,
-        max_model_len,
-        clock=clock or Clock(),
-        debug_integrity=True,
+    s = Scheduler(
+        pool, cache, config, proc, max_model_len, clock=clock or Clock(), debug_integrity=True
     )
+    return attach_core(s, runner)
 
 
 def req(rid: str, prompt: list[int], n_out: int, arrival: float = 0.0, **params) -> Request:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.grammar.strict import SchemaSupport
     from radixlm.runtime.grammar.vocab import TokenVocab
 
-ConstraintKind = Literal["json_schema", "json_object", "regex", "ebnf", "choices"]
+ConstraintKind = Literal["json_schema", "json_object", "regex", "ebnf", "choices", "tool_calls"]
 Whitespace = Literal["compact", "any"]
 CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
 # Longest run of JSON whitespace between two JSON tokens in ``whitespace="any"`` mode.
@@ -58,10 +58,13 @@ class Constraint:
     ``spec`` by kind: ``json_schema``: the schema as canonical JSON text (keyword keys sorted,
     ``properties`` order kept: it is the order of the generated keys); ``json_object``: ``""``
     (any JSON object); ``regex``: the pattern (full match); ``ebnf``: an xgrammar EBNF grammar
-    with a ``root`` rule; ``choices``: a JSON list of the allowed strings.
+    with a ``root`` rule; ``choices``: a JSON list of the allowed strings; ``tool_calls``: a
+    ``ToolCallsSpec`` as canonical JSON (tools with their ``parameters`` schemas, mode, parallel;
+    see ``tool_calls.py``).
 
     ``best_effort``: generate even when the schema uses keywords the backend cannot enforce
-    (they are then ignored) instead of raising. ``whitespace``: ``"compact"`` (default: no
+    (they are then ignored) instead of raising; for ``tool_calls`` both apply to every tool's
+    arguments. ``whitespace``: ``"compact"`` (default: no
     whitespace between JSON tokens, like ``json.dumps(separators=(",", ":"))``) or ``"any"``
     (up to ``MAX_JSON_WHITESPACE`` whitespace characters wherever JSON allows them).
     """
@@ -90,7 +93,9 @@ class Constraint:
             object.__setattr__(self, "spec", normalize_schema_text(self.spec))
         elif self.kind == "choices":
             object.__setattr__(self, "spec", normalize_choices(self.spec))
-        if self.kind not in ("json_schema", "json_object"):
+        elif self.kind == "tool_calls":
+            object.__setattr__(self, "spec", _normalize_tool_calls(self.spec))
+        if self.kind not in ("json_schema", "json_object", "tool_calls"):
             # NOTE: no effect on these kinds; normalized so that they do not split the cache.
             object.__setattr__(self, "best_effort", False)
             object.__setattr__(self, "whitespace", "compact")
@@ -103,6 +108,7 @@ class Constraint:
         regex: str | None = None,
         ebnf: str | None = None,
         choices: Sequence[str] | None = None,
+        tool_calls: str | Mapping[str, Any] | None = None,
         json_object: bool = False,
         best_effort: bool = False,
         whitespace: Whitespace = "compact",
@@ -118,6 +124,7 @@ class Constraint:
             "regex": regex is not None,
             "ebnf": ebnf is not None,
             "choices": choices is not None,
+            "tool_calls": tool_calls is not None,
             "json_object": bool(json_object),
         }
         names = [k for k, v in given.items() if v]
@@ -138,6 +145,8 @@ class Constraint:
             return cls("ebnf", ebnf, **common)
         if choices is not None:
             return cls("choices", normalize_choices(choices), **common)
+        if tool_calls is not None:
+            return cls("tool_calls", _normalize_tool_calls(tool_calls), **common)
         return cls("json_object", "", **common)
 
     def describe(self) -> str:
@@ -178,6 +187,15 @@ def normalize_choices(choices: Sequence[str] | str) -> str:
     if not items or not all(isinstance(c, str) for c in items):
         raise GrammarError(f"choices must be a non-empty list of strings, got {choices!r}")
     return json.dumps(list(dict.fromkeys(items)), ensure_ascii=False)
+
+
+def _normalize_tool_calls(spec: str | Mapping[str, Any]) -> str:
+    from radixlm.tool_calls import ToolSpecError, normalize_tool_calls
+
+    try:
+        return normalize_tool_calls(spec)
+    except ToolSpecError as exc:
+        raise GrammarError(str(exc)) from None
 
 
 def parse_choices(spec: str) -> list[str]:
@@ -338,6 +356,19 @@ class GrammarBackend(abc.ABC):
             )
         elif constraint.kind == "choices":
             parse_choices(constraint.spec)
+        elif constraint.kind == "tool_calls":
+            from radixlm.tool_calls import ToolCallsSpec
+
+            for tool in ToolCallsSpec.from_json(constraint.spec).tools:
+                try:
+                    check_schema(
+                        tool.parameters,
+                        self.schema_support,
+                        self.name,
+                        best_effort=constraint.best_effort,
+                    )
+                except GrammarError as exc:
+                    raise GrammarError(f"tool {tool.name!r} parameters: {exc}") from None
 
     def _validate_syntax(self, constraint: Constraint) -> None:  # noqa: B027 - optional hook
         """Backend hook: parse regex / EBNF cheaply, raising ``GrammarError``."""

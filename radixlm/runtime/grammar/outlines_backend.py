@@ -39,6 +39,7 @@ from radixlm.runtime.grammar.base import (
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
+from radixlm.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 
 _MAX_ROLLBACK = 64  # Guide history; longer rollbacks replay from the start
 _MAX_FORCED_BYTES = 4096
@@ -201,7 +202,7 @@ class OutlinesMatcher(GrammarMatcher):
 @register_backend
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
-    kinds = frozenset({"json_schema", "json_object", "regex", "choices"})
+    kinds = frozenset({"json_schema", "json_object", "regex", "choices", "tool_calls"})
     schema_support = OUTLINES_SUPPORT
 
     def __init__(self, vocab: TokenVocab) -> None:
@@ -224,12 +225,33 @@ class OutlinesBackend(GrammarBackend):
             return c.spec
         if c.kind == "choices":
             return choices_regex(parse_choices(c.spec))
+        if c.kind == "tool_calls":
+            return self._tool_calls_regex(c)
         schema = prepared_schema_text(c.spec) if c.kind == "json_schema" else '{"type":"object"}'
         ws = "" if c.whitespace == "compact" else f"[ \\t\\n\\r]{{0,{MAX_JSON_WHITESPACE}}}"
         try:
             return oc.json_schema.build_regex_from_schema(schema, ws)
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"invalid {c.kind} for the outlines backend: {exc}") from None
+
+    def _tool_calls_regex(self, c: Constraint) -> str:
+        """``required`` mode only: one call, or calls separated by ``SEPARATOR``. ``auto`` (free
+        text until a trigger) has no practical regex (the text must exclude the trigger)."""
+        spec = ToolCallsSpec.from_json(c.spec)
+        if spec.mode != "required":
+            raise GrammarError(
+                "tool_calls in auto mode (tool_choice auto) is not supported by the outlines "
+                "grammar backend; use tool_choice required / a named function, or xgrammar"
+            )
+        calls = []
+        for tool in spec.tools:
+            params = Constraint("json_schema", tool.parameters, c.best_effort, c.whitespace)
+            args = self.regex(params)
+            begin, end = choices_regex([call_begin(tool.name)]), choices_regex([CALL_END])
+            calls.append(f"{begin}({args}){end}")
+        call = "|".join(f"({x})" for x in calls)
+        sep = choices_regex([SEPARATOR])
+        return f"({call})({sep}({call}))*" if spec.parallel else f"({call})"
 
     def _validate_syntax(self, constraint: Constraint) -> None:
         regex = self.regex(constraint)

@@ -6,6 +6,9 @@ Notes on xgrammar 0.2.8:
   which xgrammar treats as never-allowed) so both backends see the same vocabulary.
 - With ``separators=(",", ":")`` it still emits ``", "`` inside its generic ``basic_array`` /
   ``basic_object`` rules (free-form JSON values); the compact mode patches those two rules.
+- ``tool_calls`` compiles to a structural tag: each tool is a tag (``call_begin(name)``, the
+  arguments' own JSON grammar as EBNF, ``CALL_END``); ``required`` is tags-with-separator (no
+  other text), ``auto`` is triggered tags (free text until ``<tool_call>``).
 - ``find_jump_forward_string`` raises when the forced text ends inside a UTF-8 character or
   after termination; both are treated as "nothing forced".
 """
@@ -17,6 +20,7 @@ import time
 
 import torch
 import xgrammar as xgr
+from xgrammar import structural_tag as st
 
 from radixlm.runtime.grammar.base import (
     CONSTRAINT_KINDS,
@@ -33,6 +37,13 @@ from radixlm.runtime.grammar.base import (
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
+from radixlm.tool_calls import (
+    CALL_END,
+    SEPARATOR,
+    TRIGGER,
+    ToolCallsSpec,
+    call_begin,
+)
 
 _COMPACT = (",", ":")
 _BUILTIN_SEPARATOR_RULE = re.compile(r"^(basic_(?:array_items|object_properties)\w* ::= .*)$", re.M)
@@ -139,6 +150,8 @@ class XGrammarBackend(GrammarBackend):
                 return xgr.Grammar.from_regex(c.spec)
             if c.kind == "ebnf":
                 return xgr.Grammar.from_ebnf(c.spec)
+            if c.kind == "tool_calls":
+                return self._tool_calls_grammar(c)
             return xgr.Grammar.from_regex(choices_regex(parse_choices(c.spec)))
         except GrammarError:
             raise
@@ -156,6 +169,26 @@ class XGrammarBackend(GrammarBackend):
         text = str(grammar)
         patched = _compact_builtin_json(text)
         return grammar if patched == text else xgr.Grammar.from_ebnf(patched)
+
+    @classmethod
+    def _tool_calls_grammar(cls, c: Constraint) -> xgr.Grammar:
+        spec = ToolCallsSpec.from_json(c.spec)
+        tags = []
+        for tool in spec.tools:
+            args = Constraint("json_schema", tool.parameters, c.best_effort, c.whitespace)
+            content = st.GrammarFormat(grammar=str(cls._json_grammar(args)))
+            tags.append(st.TagFormat(begin=call_begin(tool.name), content=content, end=CALL_END))
+        stop_after_first = not spec.parallel
+        fmt: st.TagsWithSeparatorFormat | st.TriggeredTagsFormat
+        if spec.mode == "required":
+            fmt = st.TagsWithSeparatorFormat(
+                tags=tags, separator=SEPARATOR, at_least_one=True, stop_after_first=stop_after_first
+            )
+        else:
+            fmt = st.TriggeredTagsFormat(
+                triggers=[TRIGGER], tags=tags, stop_after_first=stop_after_first
+            )
+        return xgr.Grammar.from_structural_tag(st.StructuralTag(format=fmt))
 
     def _validate_syntax(self, constraint: Constraint) -> None:
         self.grammar(constraint)

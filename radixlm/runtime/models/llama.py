@@ -82,7 +82,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_id: int, head_dim: int, bias: bool) -> None:
+    def __init__(
+        self, config, layer_id: int, head_dim: int, bias: bool, out_bias: bool = False
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=out_bias)
         self.scale = head_dim**-0.5
 
     def forward(
@@ -121,9 +123,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, head_dim: int, attn_bias: bool, mlp_bias: bool):
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        head_dim: int,
+        attn_bias: bool,
+        mlp_bias: bool,
+        out_bias: bool = False,
+    ):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, head_dim, attn_bias)
+        self.self_attn = Attention(config, layer_id, head_dim, attn_bias, out_bias)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -151,12 +161,14 @@ class LlamaForCausalLM(nn.Module):
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        attn_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        from radixlm.runtime.models.loader import attention_biases
+
+        attn_bias, out_bias = attention_biases(config)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.head_dim = head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, head_dim, attn_bias, mlp_bias)
+            DecoderLayer(config, i, head_dim, attn_bias, mlp_bias, out_bias)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -287,10 +287,10 @@ def _tidy_float32_fields(config: Any) -> None:
     """GGUF stores eps as float32 (1e-5 -> 9.99999974e-06); restore the short decimal value."""
     import numpy as np
 
-    for field in ("rms_norm_eps", "layer_norm_eps"):
-        value = getattr(config, field, None)
+    for name in ("rms_norm_eps", "layer_norm_eps"):
+        value = getattr(config, name, None)
         if isinstance(value, float) and float(np.float32(value)) == value:
-            setattr(config, field, float(str(np.float32(value))))
+            setattr(config, name, float(str(np.float32(value))))
 
 
 def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -337,6 +337,8 @@ class ModelInfo:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    # The parsed transformers config (read once; the model's constructor takes it).
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
 
 def load_model_info(model_dir: Path) -> ModelInfo:
@@ -360,11 +362,7 @@ def load_model_info(model_dir: Path) -> ModelInfo:
     kv_heads = getattr(config, "num_key_value_heads", None)
     head_dim = getattr(config, "head_dim", None)
     theta, scaling = _rope(config)
-    attn_bias_field = getattr(config, "attention_bias", None)
-    if attn_bias_field is None:
-        qkv_bias, out_bias = model_type in _IMPLICIT_QKV_BIAS, False
-    else:
-        qkv_bias = out_bias = bool(attn_bias_field)
+    qkv_bias, out_bias = attention_biases(config)
     bos, eos = _special_ids(config, model_dir)
     return ModelInfo(
         architecture=architecture,
@@ -387,7 +385,17 @@ def load_model_info(model_dir: Path) -> ModelInfo:
         bos_token_id=bos,
         eos_token_ids=eos,
         torch_dtype=_dtype_name(config),
+        hf_config=config,
     )
+
+
+def attention_biases(config: Any) -> tuple[bool, bool]:
+    """(bias on q/k/v, bias on o_proj): Llama's `attention_bias` means both; Qwen2 has q/k/v
+    biases without a config field saying so, and none on o_proj."""
+    if str(getattr(config, "model_type", "")) in _IMPLICIT_QKV_BIAS:
+        return True, False
+    value = bool(getattr(config, "attention_bias", False))
+    return value, value
 
 
 def _rope(config: Any) -> tuple[float, dict[str, Any] | None]:

@@ -1,0 +1,216 @@
+"""Executor: `run(ScheduledBatch) -> StepOutput`. Forward, logits, grammar masks, sampling and
+logprobs of one step; the one place where CPU and GPU differ (CUDA graphs will live here).
+
+The executor reads requests (token ids, pages, params, matchers) but changes none of them: the
+scheduler and the output processor own request state (`scheduler.update`). Its own state is the
+persistent page table (`PageTable`): a request's row is written once and then only extended,
+so a decode step does not rebuild its metadata from Python lists.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.batch import ScheduledBatch, StepOutput
+from radixlm.runtime.constrained import GrammarStep
+from radixlm.runtime.request import Request, TokenLogprob
+from radixlm.runtime.sampler import Sampler, SamplingBatchInfo, min_tokens_suppress_ids
+
+
+@dataclass
+class _Row:
+    req: Request  # NOTE: a strong reference: `id()` reuse can never alias two requests
+    page_gen: int
+    synced: int  # entries of req.pages written to the row
+
+
+class PageTable:
+    """A persistent host `[rows, width]` int32 page table, one row per scheduled request.
+
+    A request keeps its row while it is scheduled step after step; new pages are appended to
+    the row; a change of earlier pages (`req.page_gen` bumped by the scheduler on adoption or
+    release) rewrites the row. Rows of requests missing from a step are recycled.
+    """
+
+    def __init__(self, rows: int = 64, width: int = 64) -> None:
+        self.table = torch.zeros((rows, width), dtype=torch.int32)  # [rows, width]
+        self._rows: dict[int, int] = {}  # id(req) -> row index
+        self._state: list[_Row | None] = [None] * rows
+
+    def rows_for(self, reqs: Sequence[Request]) -> list[int]:
+        """Sync and return the row of each request (in order)."""
+        live = {id(r) for r in reqs}
+        for key in [k for k in self._rows if k not in live]:
+            self._state[self._rows.pop(key)] = None
+        need = max((len(r.pages) for r in reqs), default=1)
+        if need > self.table.shape[1] or len(reqs) > self.table.shape[0]:
+            self._grow(max(len(reqs), self.table.shape[0]), max(need, self.table.shape[1]))
+        out = []
+        for req in reqs:
+            idx = self._rows.get(id(req))
+            st = self._state[idx] if idx is not None else None
+            if st is None or st.req is not req:
+                idx = self._state.index(None)
+                self._rows[id(req)] = idx
+                st = self._state[idx] = _Row(req, req.page_gen, 0)
+            if st.page_gen != req.page_gen or st.synced > len(req.pages):
+                st.page_gen, st.synced = req.page_gen, 0
+            n = len(req.pages)
+            if n > st.synced:
+                self.table[idx, st.synced : n] = torch.tensor(
+                    req.pages[st.synced :], dtype=torch.int32
+                )
+                st.synced = n
+            out.append(idx)
+        return out
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self.table.shape
+        rows = max(rows, old_rows)
+        width = old_width if width <= old_width else max(2 * old_width, width)
+        new = torch.zeros((rows, width), dtype=torch.int32)
+        new[:old_rows, :old_width] = self.table
+        self.table = new
+        self._state.extend([None] * (rows - len(self._state)))
+
+
+def build_forward_batch(
+    batch: ScheduledBatch, table: PageTable, page_size: int, device: torch.device
+) -> tuple[ForwardBatch, list[int], list[range]]:
+    """The ragged `ForwardBatch` of `batch`; the logits row of each item's sample (-1: none);
+    and each item's prompt-logprob positions (their rows come first, in item order)."""
+    items = batch.items
+    reqs = [i.req for i in items]
+    rows = table.rows_for(reqs)
+    prefix = [r.num_computed_tokens for r in reqs]
+    extend = [i.num_tokens for i in items]
+    ids: list[int] = []
+    logits_rows: list[int] = []
+    sample_row: list[int] = []
+    lp_positions: list[range] = []
+    offset = 0
+    for item, start in zip(items, prefix):
+        req = item.req
+        ids.extend(req.token_ids[start : start + item.num_tokens])
+        pos = req.prompt_logprob_positions(start, item.num_tokens)
+        lp_positions.append(pos)
+        logits_rows.extend(offset + p - start for p in pos)
+        if start + item.num_tokens == req.num_tokens:
+            sample_row.append(len(logits_rows))
+            logits_rows.append(offset + item.num_tokens - 1)
+        else:
+            sample_row.append(-1)
+        offset += item.num_tokens
+    fb = ForwardBatch.from_parts(
+        ids, prefix, extend, table.table[torch.tensor(rows)], logits_rows, page_size, device
+    )
+    return fb, sample_row, lp_positions
+
+
+class Executor:
+    """Runs a `ScheduledBatch` on a model runner (`forward(ForwardBatch) -> [R, V]`,
+    `kv_cache.copy_pages`, `device`, `vocab_size`)."""
+
+    def __init__(
+        self,
+        runner,
+        eos_token_ids: Sequence[int],
+        seed: int | None = 0,
+    ) -> None:
+        self.runner = runner
+        self.device: torch.device = runner.device
+        self.vocab_size: int = runner.vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.sampler = Sampler(seed=seed)
+        self.grammar: GrammarStep | None = None
+        self.page_table = PageTable()
+        self.num_forwards = 0
+
+    def set_grammar(self, step: GrammarStep) -> None:
+        self.grammar = step
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        t0 = time.perf_counter()
+        fb, sample_row, lp_positions = build_forward_batch(
+            batch, self.page_table, self.runner.page_size, self.device
+        )
+        logits = self.runner.forward(fb)  # [R, V] float32
+        self.num_forwards += 1
+        if batch.page_copies:
+            src, dst = zip(*batch.page_copies)
+            self.runner.kv_cache.copy_pages(list(src), list(dst))
+        t1 = time.perf_counter()
+        prompt_lps = self._prompt_logprobs(batch, logits, lp_positions)
+        rows = [sample_row[s.item] for s in batch.samples]
+        token_ids, logprobs = self._sample([s.req for s in batch.samples], logits, rows)
+        return StepOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_lps,
+            forward_seconds=t1 - t0,
+            sample_seconds=time.perf_counter() - t1,
+        )
+
+    @staticmethod
+    def _prompt_logprobs(
+        batch: ScheduledBatch, logits: torch.Tensor, positions: list[range]
+    ) -> dict[int, tuple[range, list[float]]]:
+        """log p(prompt[p + 1] | prompt[: p + 1]) for the prompt-logprob rows of each item."""
+        out: dict[int, tuple[range, list[float]]] = {}
+        row = 0
+        for k, (item, pos) in enumerate(zip(batch.items, positions)):
+            if len(pos):
+                req = item.req
+                lp = torch.log_softmax(logits[row : row + len(pos)].float(), dim=-1)  # [n, V]
+                targets = torch.tensor(req.token_ids[pos.start + 1 : pos.stop + 1])
+                picked = lp.gather(1, targets.to(lp.device)[:, None])[:, 0].tolist()
+                out[k] = (pos, picked)
+                row += len(pos)
+            if item.req.num_computed_tokens + item.num_tokens == item.req.num_tokens:
+                row += 1  # its sampling row
+        return out
+
+    def _sample(
+        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per request from `logits[rows[i]]`: grammar masks, min-token suppression,
+        penalties, the sampler; logprobs of the raw (unmasked) model distribution."""
+        if not reqs:
+            return [], []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
+        params = [r.params for r in reqs]
+        suppress = [
+            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
+        ]
+        raw = None
+        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+            if any(r.grammar is not None and r.params.logprobs for r in reqs):
+                raw = logits.clone()  # [B, V] logprobs are the unmasked model's
+            # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
+            # output or the row gather above), read by nothing else.
+            suppress = self.grammar.mask(reqs, logits, suppress)
+        needs_hist = any(p.needs_penalties for p in params)
+        info = SamplingBatchInfo.build(
+            params,
+            [r.generator for r in reqs],
+            [r.prompt_token_set if needs_hist else () for r in reqs],
+            [r.output_counts if needs_hist else () for r in reqs],
+            self.vocab_size,
+            logits.device,
+            suppress_token_ids=suppress,
+        )
+        out = self.sampler(logits, info, raw_logits=raw)
+        lps: list[TokenLogprob | None] = []
+        for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
+            if req.params.logprobs and out.logprobs is not None:
+                top = out.top_logprobs[i] if out.top_logprobs else None
+                lps.append(TokenLogprob(tok, out.logprobs[i], top or []))
+            else:
+                lps.append(None)
+        return out.next_token_ids, lps
