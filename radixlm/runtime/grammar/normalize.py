@@ -5,9 +5,12 @@ schema's own draft, as ``jsonschema`` validates it), built from keywords the bac
 A rewrite that cannot be made exactly is not made: the keyword stays, and strict mode then
 refuses it by name. Rewrites, bottom-up:
 
+- ``$ref`` with sibling keywords: siblings dropped before 2019-09 (the validator ignores them),
+  else the target inlined and merged with them.
 - ``allOf``: members merged into their parent where the intersection is one schema (types
   intersected, ``properties`` / ``required`` / ``additionalProperties`` combined per property,
   numeric and length bounds tightened, ``enum`` intersected, ...); unmergeable members stay.
+- draft-04 boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` -> the numeric form.
 - ``items`` as an array (drafts before 2020-12) -> ``prefixItems``, with ``additionalItems`` ->
   ``items``; ``additionalItems`` where the validator ignores it is dropped.
 - ``dependentRequired`` / ``dependentSchemas`` / ``dependencies`` (up to 3 triggers) ->
@@ -172,12 +175,16 @@ class _Normalizer:
         if not isinstance(s, dict) or depth > _MAX_DEPTH:
             return s
         s = self._children(s, depth)
-        if self.draft.ref_alone and "$ref" in s:
-            return s  # its siblings do not apply; strict mode decides
+        if "$ref" in s and self.movable:
+            s = self._ref_siblings(s, depth)
+            if not isinstance(s, dict) or "$ref" in s:
+                return s
+        local = (self._boolean_bounds, self._declare_required, self._finite)
         steps = (
-            self._items_array, self._all_of, self._declare_required, self._unique_items,
-            self._if_then_else, self._dependencies, self._distribute, self._finite,
-        ) if self.movable else (self._declare_required, self._finite)  # fmt: skip
+            self._boolean_bounds, self._items_array, self._all_of, self._declare_required,
+            self._unique_items, self._if_then_else, self._dependencies, self._distribute,
+            self._finite,
+        ) if self.movable else local  # fmt: skip
         for step in steps:
             if not isinstance(s, dict):
                 break
@@ -427,6 +434,35 @@ class _Normalizer:
             return s
         out = self._branches(body, cases, depth)
         return s if out is None else out
+
+    @staticmethod
+    def _boolean_bounds(s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """Draft-04 ``exclusiveMinimum: true`` (a flag on ``minimum``) -> the numeric form."""
+        out = s
+        for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(out.get(flag), bool):
+                out = dict(out)
+                if out.pop(flag) and _number(out.get(bound)):
+                    out[flag] = out.pop(bound)
+        return out
+
+    def _ref_siblings(self, s: dict[str, Any], depth: int) -> Any:
+        """``$ref`` with sibling keywords: before 2019-09 the siblings do not apply (dropped);
+        later they do (the target inlined and merged with them, when that is exact)."""
+        siblings = [k for k in s if k in VALIDATION_KEYWORDS and k != "$ref"]
+        if not siblings:
+            return s
+        if self.draft.ref_alone:
+            return {k: v for k, v in s.items() if k not in VALIDATION_KEYWORDS or k == "$ref"}
+        target = self.inline({"$ref": s["$ref"]}, depth)
+        if not isinstance(target, dict) or "$ref" in target:
+            return s
+        host = {k: v for k, v in s.items() if k in _HOST}
+        rest = {k: v for k, v in s.items() if k != "$ref" and k not in _HOST}
+        merged = self.conj([target, rest], depth)
+        if not isinstance(merged, dict) or "allOf" in merged:
+            return s if merged is not False else False
+        return {**host, **merged}
 
     def _distribute(self, s: dict[str, Any], depth: int) -> Any:
         """``{S, anyOf/oneOf: [B...]}`` -> ``{anyOf/oneOf: [S and B, ...]}`` (exact; the backends

@@ -280,3 +280,22 @@ def test_silently_ignored_keywords_are_refused(
     assert lenient is not None
     compiled = byte_backends[backend].compile(lenient)
     assert grammar_accepts(compiled.new_matcher(), json.dumps(invalid, separators=(",", ":")))
+
+
+def test_ref_siblings_and_draft4_bounds() -> None:
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    old = {
+        "$schema": draft4,
+        "definitions": {"s": {"type": "string"}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/s", "maxLength": 3}},
+        "additionalProperties": False,
+    }
+    # Before 2019-09 "maxLength" beside "$ref" does not apply: dropped.
+    assert normalize_schema(old)["properties"]["x"] == {"$ref": "#/definitions/s"}
+    assert _valid(old, {"x": "long string"})
+    new = {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 3}
+    assert normalize_schema(new) == {"$defs": {"s": {"type": "string"}}, "type": "string",
+                                     "maxLength": 3}  # fmt: skip
+    bound = {"$schema": draft4, "type": "integer", "minimum": 5, "exclusiveMinimum": True}
+    assert normalize_schema(bound) == {"$schema": draft4, "type": "integer", "exclusiveMinimum": 5}
