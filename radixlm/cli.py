@@ -19,7 +19,7 @@ _HELP = {
     "model": "local HF model dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
     "dtype": "bfloat16 | float16 | float32",
     "device": "cuda | cpu (default: cuda if available)",
-    "attention_backend": "auto | torch | triton",
+    "attention_backend": "auto (cpu op on CPU, triton on CUDA) | cpu | torch | triton",
     "num_threads": "torch CPU threads",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
@@ -152,6 +152,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help=f"most prompts in one batched request (default: {d.max_batch_prompts})",
     )
     group.add_argument(
+        "--dashboard-show-text",
+        action="store_true",
+        help="let /dashboard show the text of cached prefixes (default: token counts and "
+        "hashes of token ids only: a prefix can be private)",
+    )
+    group.add_argument(
         "--log-level",
         default=d.log_level,
         choices=["debug", "info", "warning", "error", "critical"],
@@ -170,6 +176,7 @@ def server_config(args: argparse.Namespace) -> Any:
         max_n=args.max_n,
         max_batch_prompts=args.max_batch_prompts,
         log_level=args.log_level,
+        dashboard_show_text=args.dashboard_show_text,
     )
 
 
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve",
         help="serve the model over HTTP (OpenAI-compatible + SGLang-native API)",
         description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/generate, /get_model_info, /health, /metrics, ...",
+        "/generate, /get_model_info, /health, /metrics, /dashboard, ...",
     )
     add_server_args(srv)
     add_engine_args(srv)

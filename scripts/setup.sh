@@ -11,3 +11,17 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q --disable-pip-version-check "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
+# Headless Chromium for the dashboard's browser test (tests/server/test_dashboard_browser.py);
+# only when missing, and only where apt can run (root). Elsewhere that one test skips, saying why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        chromium chromium-driver >/dev/null; } \
+      || echo "setup: could not install chromium; the dashboard browser test will skip"
+  else
+    echo "setup: chromium is not installed (needs root + apt); the dashboard browser test will skip"
+  fi
+fi
+# Compile the CPU attention op into the user cache (keyed by source, torch and CPU), so the
+# engine's first use loads it in < 1 s. Never fails: without a compiler the torch backend is used.
+.venv/bin/python -m radixlm.kernels.cpu.build

@@ -13,6 +13,7 @@ _BACKENDS: dict[str, type] = {}
 # Backends whose module is imported only when asked for (keeps CUDA-only code out of CPU imports).
 _LAZY: dict[str, str] = {
     "torch": "radixlm.kernels.reference",
+    "cpu": "radixlm.kernels.cpu.backend",
     "triton": "radixlm.kernels.triton_backend",
 }
 
@@ -27,12 +28,21 @@ def register_attention_backend(name: str) -> Callable[[type], type]:
 
 def resolve_backend_name(name: str, device_type: str) -> str:
     """`auto` picks the fastest backend available for the device: `triton` on CUDA when the
-    triton package is installed (looked up, not imported), else `torch`."""
+    triton package is installed (looked up, not imported); `cpu` on CPU when the compiled op
+    builds or loads (else one log line says why, and `torch`); else `torch`."""
     if name != "auto":
         return name
     if device_type == "cuda" and "triton" in available_backends() and _triton_installed():
         return "triton"
+    if device_type == "cpu" and _cpu_op_available():
+        return "cpu"
     return "torch"
+
+
+def _cpu_op_available() -> bool:
+    from radixlm.kernels.cpu.build import load_op
+
+    return load_op() is not None
 
 
 def _triton_installed() -> bool:

@@ -14,12 +14,19 @@ Usage by the scheduler (one request; ``ps`` = page size):
 
 The tree never counts as a ref: a tree page whose ref drops to 0 becomes *cached*, and only
 ``evict`` / ``reset`` return it to the free list.
+
+For live views (``radixlm.radix.summary``) every node also keeps, maintained incrementally in
+O(depth) per insert / split / evict and never by a walk over the tree: ``subtree_pages``, its
+``hits`` (matches that covered the whole node) and ``ranked``, its children sorted by weight, so
+that the K heaviest children of any node are read in O(K).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +40,12 @@ class TreeNode:
     Roots have an empty key and no pages. ``children`` is keyed by the child's first page of
     tokens. ``last_access`` is a logical clock; an ancestor is touched whenever a descendant is,
     so ``parent.last_access >= child.last_access`` always holds.
+
+    Maintained for live views (checked by ``RadixCache.check_integrity``): ``subtree_pages`` =
+    ``len(pages)`` + the children's ``subtree_pages``; ``ranked`` holds one
+    ``(child.subtree_pages, child.uid, child)`` per child, sorted ascending (heaviest last);
+    ``hits`` counts the ``match_prefix`` calls whose match covered this whole node (a root
+    counts every query); ``last_access_s`` is the ``time.monotonic()`` of the last touch.
     """
 
     key: tuple[int, ...]
@@ -41,6 +54,11 @@ class TreeNode:
     namespace: Hashable | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     last_access: int = 0
+    uid: int = 0
+    subtree_pages: int = 0
+    hits: int = 0
+    last_access_s: float = 0.0
+    ranked: list[tuple[int, int, TreeNode]] = field(default_factory=list)
 
     @property
     def is_root(self) -> bool:
@@ -90,11 +108,28 @@ class RadixCache:
         self._clock = 0
         self._hit_tokens = 0
         self._queried_tokens = 0
+        self._num_nodes = 0
+        self._evicted_pages = 0  # cumulative, for rates
+        self._uids = itertools.count(1)
 
     @property
     def num_tree_pages(self) -> int:
         """Pages the tree holds (cached or held), O(1)."""
         return self._num_tree_pages
+
+    @property
+    def num_nodes(self) -> int:
+        """Non-root nodes, O(1)."""
+        return self._num_nodes
+
+    @property
+    def evicted_pages(self) -> int:
+        """Pages ``evict`` has freed since the cache was created (``reset`` not included)."""
+        return self._evicted_pages
+
+    def roots(self) -> dict[Hashable | None, TreeNode]:
+        """The namespace roots (read-only view for summaries)."""
+        return self._roots
 
     # ------------------------------------------------------------------ match / insert
     def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
@@ -119,7 +154,7 @@ class RadixCache:
                 node = self._split(child, n)
                 break
             node = child
-        self._touch(node)
+        self._touch(node, hit=True)
         self._hit_tokens += pos
         return MatchResult(pages, pos, node)
 
@@ -220,9 +255,11 @@ class RadixCache:
                 del node.pages[-take:]
                 node.key = node.key[: len(node.pages) * self.page_size]
                 self._num_tree_pages -= take
+                self._reweigh(node, -take)
             for page in victims:
                 self.pool.mark_in_tree(page, False)
             freed += take
+        self._evicted_pages += freed
         return freed
 
     def evictable_pages(self) -> int:
@@ -248,19 +285,21 @@ class RadixCache:
         self._roots.clear()
         self._leaves.clear()
         self._num_tree_pages = 0
+        self._num_nodes = 0
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> CacheStats:
-        """Tree occupancy (O(tree)) and cumulative hit statistics (``reset`` keeps these)."""
-        nodes = [n for n in self._nodes() if not n.is_root]
-        refs = [self.pool.ref(p) for n in nodes for p in n.pages]
-        cached = sum(1 for r in refs if r == 0)
+        """Tree occupancy and cumulative hit statistics (``reset`` keeps these), O(1).
+
+        NOTE: the pool's cached pages are exactly the tree's ref-0 pages (pool invariant).
+        """
+        cached = self.pool.num_cached
         q = self._queried_tokens
         return CacheStats(
-            num_nodes=len(nodes),
+            num_nodes=self._num_nodes,
             cached_pages=cached,
-            protected_pages=len(refs) - cached,
-            total_tree_pages=len(refs),
+            protected_pages=self._num_tree_pages - cached,
+            total_tree_pages=self._num_tree_pages,
             hit_tokens=self._hit_tokens,
             queried_tokens=q,
             hit_rate=self._hit_tokens / q if q else 0.0,
@@ -295,6 +334,18 @@ class RadixCache:
                 _require(
                     child.last_access <= node.last_access, f"child {first} newer than its parent"
                 )
+            weights = sum(c.subtree_pages for c in node.children.values())
+            _require(
+                node.subtree_pages == len(node.pages) + weights,
+                f"node {node.key[:ps]} subtree_pages {node.subtree_pages} != "
+                f"{len(node.pages)} + {weights}",
+            )
+            expected_rank = sorted((c.subtree_pages, c.uid) for c in node.children.values())
+            _require(
+                [(w, u) for w, u, _ in node.ranked] == expected_rank
+                and all(c.parent is node for _, _, c in node.ranked),
+                f"node {node.key[:ps]} ranked children out of sync",
+            )
             if node.is_root:
                 continue
             if not node.children:
@@ -313,6 +364,8 @@ class RadixCache:
         marked = sum(1 for p in range(pool.num_pages) if pool.in_tree(p))
         _require(marked == len(seen), f"{marked} pages marked in_tree, tree holds {len(seen)}")
         _require(leaves == self._leaves, "leaf set out of sync with the tree")
+        num_nodes = sum(1 for n in self._nodes() if not n.is_root)
+        _require(self._num_nodes == num_nodes, f"node counter {self._num_nodes} != {num_nodes}")
         _require(
             self._num_tree_pages == len(seen),
             f"tree page counter {self._num_tree_pages} != actual {len(seen)}",
@@ -322,7 +375,7 @@ class RadixCache:
     def _root(self, namespace: Hashable | None) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = TreeNode((), [], None, namespace)
+            root = self._roots[namespace] = TreeNode((), [], None, namespace, uid=next(self._uids))
         return root
 
     def _common_pages(self, child: TreeNode, tokens: Sequence[int], pos: int) -> int:
@@ -342,10 +395,18 @@ class RadixCache:
         ps, parent = self.page_size, node.parent
         assert parent is not None and 0 < n < len(node.pages)
         head = TreeNode(node.key[: n * ps], node.pages[:n], parent, node.namespace)
-        head.last_access = node.last_access
+        head.uid = next(self._uids)
+        head.last_access, head.last_access_s = node.last_access, node.last_access_s
+        head.hits = node.hits  # every match that covered the node covered its head
+        head.subtree_pages = node.subtree_pages
+        _unrank(parent, node)
         parent.children[head.key[:ps]] = head
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], head
+        node.subtree_pages -= n
         head.children[node.key[:ps]] = node
+        _rank(parent, head)
+        _rank(head, node)
+        self._num_nodes += 1
         return head
 
     def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], pages: list[int]) -> None:
@@ -356,18 +417,25 @@ class RadixCache:
                 raise ValueError(f"cannot adopt page {page}: not held, or already in the tree")
         for page in pages:
             self.pool.mark_in_tree(page, True)
-        leaf = TreeNode(key, pages, parent, parent.namespace)
+        leaf = TreeNode(key, pages, parent, parent.namespace, uid=next(self._uids))
         parent.children[key[: self.page_size]] = leaf
         self._leaves.discard(parent)
         self._leaves.add(leaf)
         self._num_tree_pages += len(pages)
+        self._num_nodes += 1
+        leaf.subtree_pages = len(pages)
+        _rank(parent, leaf)
+        self._reweigh(parent, len(pages))
 
     def _remove_leaf(self, node: TreeNode) -> TreeNode:
         """Detach a childless node; return its parent (now possibly a leaf)."""
         parent = node.parent
         assert parent is not None and not node.children
+        _unrank(parent, node)
+        self._reweigh(parent, -node.subtree_pages)
         del parent.children[node.key[: self.page_size]]
         node.parent = None
+        self._num_nodes -= 1
         self._leaves.discard(node)
         if not parent.children and not parent.is_root:
             self._leaves.add(parent)
@@ -383,12 +451,28 @@ class RadixCache:
             n += 1
         return n
 
-    def _touch(self, node: TreeNode) -> None:
+    def _touch(self, node: TreeNode, hit: bool = False) -> None:
         self._clock += 1
+        now = time.monotonic()
         cur: TreeNode | None = node
         while cur is not None:
             cur.last_access = self._clock
+            cur.last_access_s = now
+            cur.hits += hit
             cur = cur.parent
+
+    def _reweigh(self, node: TreeNode, delta: int) -> None:
+        """Add ``delta`` to the subtree_pages of ``node`` and its ancestors, keeping each
+        parent's ``ranked`` sorted: O(depth * log(children))."""
+        cur: TreeNode | None = node
+        while cur is not None:
+            parent = cur.parent
+            if parent is not None:
+                _unrank(parent, cur)
+            cur.subtree_pages += delta
+            if parent is not None:
+                _rank(parent, cur)
+            cur = parent
 
     def _path_pages(self, node: TreeNode) -> list[int]:
         out: list[list[int]] = []
@@ -406,3 +490,14 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def _rank(parent: TreeNode, child: TreeNode) -> None:
+    bisect.insort(parent.ranked, (child.subtree_pages, child.uid, child))
+
+
+def _unrank(parent: TreeNode, child: TreeNode) -> None:
+    """Remove ``child``'s entry (keyed by its current weight) from ``parent.ranked``."""
+    i = bisect.bisect_left(parent.ranked, (child.subtree_pages, child.uid))
+    assert parent.ranked[i][2] is child, "ranked children out of sync"
+    del parent.ranked[i]

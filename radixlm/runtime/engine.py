@@ -26,6 +26,7 @@ from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.executor import Executor
 from radixlm.runtime.model_runner import ModelRunner, pick_device
+from radixlm.runtime.observe import EngineSnapshot, SnapshotOptions, take_snapshot
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
 from radixlm.runtime.request import Request, RequestOutput
@@ -311,6 +312,12 @@ class Engine:
                 last_step_tokens=s.last_step.num_tokens,
                 last_step_seconds=s.last_step.step_seconds,
             )
+
+    def snapshot(self, options: SnapshotOptions | None = None) -> EngineSnapshot:
+        """A live-view snapshot (see `radixlm.runtime.observe`): O(summary size) under the
+        lock, never a walk over the whole tree; serialize it outside."""
+        with self._lock:
+            return take_snapshot(self.scheduler, options)
 
     def check_integrity(self) -> None:
         with self._lock:

@@ -12,14 +12,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.engine import Engine
-from radixlm.server import native_api, openai_api
+from radixlm.server import dashboard, native_api, openai_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
 from radixlm.server.metrics import ServerMetrics
 from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfig
 
 logger = logging.getLogger(__name__)
 
-# Open without a key: liveness probes and scrapers (SGLang does the same).
+# Open without a key: liveness probes and scrapers (SGLang does the same), and the dashboard's
+# page and static files (its data stream needs the key: `dashboard.is_public`).
 PUBLIC_PATHS = ("/health", "/metrics")
 
 
@@ -36,7 +37,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if path.startswith(PUBLIC_PATHS):
+        if path.startswith(PUBLIC_PATHS) or dashboard.is_public(path):
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -72,6 +73,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.state.dashboard = dashboard.DashboardHub(
+        engine, metrics, show_text=config.dashboard_show_text
+    )
+    app.include_router(dashboard.router)
+    app.mount("/dashboard/static", dashboard.static_files(), name="dashboard-static")
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

@@ -8,7 +8,11 @@ end-to-end). Each app gets its own registry, so several servers can live in one 
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,6 +70,43 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
 
 
+@dataclass(frozen=True)
+class LatencyPercentiles:
+    count: int
+    p50: float | None
+    p99: float | None
+
+
+class RecentWindow:
+    """Observations of the last ``window_s`` seconds (at most ``max_items``), for percentiles
+    over a sliding window (the dashboard's "last minute"; histograms only give all-time)."""
+
+    def __init__(self, window_s: float = 60.0, max_items: int = 50_000) -> None:
+        self.window_s = window_s
+        self._items: deque[tuple[float, float]] = deque(maxlen=max_items)
+        self._lock = threading.Lock()
+
+    def add(self, value: float, now: float | None = None) -> None:
+        with self._lock:
+            self._items.append((time.monotonic() if now is None else now, value))
+
+    def percentiles(self, now: float | None = None) -> LatencyPercentiles:
+        """Nearest-rank p50 and p99 of the observations in the window."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            while self._items and self._items[0][0] < now - self.window_s:
+                self._items.popleft()
+            values = sorted(v for _, v in self._items)
+        if not values:
+            return LatencyPercentiles(0, None, None)
+        return LatencyPercentiles(len(values), _rank(values, 0.50), _rank(values, 0.99))
+
+
+def _rank(sorted_values: list[float], q: float) -> float:
+    k = max(1, -(-len(sorted_values) * q // 1))  # ceil(n * q), nearest-rank definition
+    return sorted_values[int(k) - 1]
+
+
 class ServerMetrics:
     """The server's registry: engine collector + request histograms and counters."""
 
@@ -107,6 +148,8 @@ class ServerMetrics:
             "Prompt tokens served from the radix cache, summed over finished prompts",
             registry=reg,
         )
+        self.recent_ttft = RecentWindow()
+        self.recent_tpot = RecentWindow()
 
     def observe_sequence(
         self, finish_reason: str, ttft: float | None, tokens: int, decode_seconds: float
@@ -114,8 +157,10 @@ class ServerMetrics:
         self.sequences.labels(finish_reason=finish_reason).inc()
         if ttft is not None:
             self.ttft.observe(ttft)
+            self.recent_ttft.add(ttft)
         if tokens > 1:
             self.tpot.observe(decode_seconds / (tokens - 1))
+            self.recent_tpot.add(decode_seconds / (tokens - 1))
 
     def observe_request(self, e2e_seconds: float, cached_tokens: int) -> None:
         self.requests.inc()

@@ -45,6 +45,7 @@ class ServerConfig:
     max_n: int = 16  # most sequences (`n`) one request may ask for
     max_batch_prompts: int = 64  # most prompts in one batched request
     log_level: str = "info"
+    dashboard_show_text: bool = False  # /dashboard shows prompt text, not only token-id hashes
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_n <= MAX_N:

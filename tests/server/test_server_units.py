@@ -85,3 +85,6 @@ def test_serve_flags(monkeypatch):
     monkeypatch.delenv("RADIXLM_API_KEY")
     assert cli_main(argv) == 0
     assert seen["server"].api_key is None
+    assert seen["server"].dashboard_show_text is False
+    assert cli_main([*argv, "--dashboard-show-text"]) == 0
+    assert seen["server"].dashboard_show_text is True

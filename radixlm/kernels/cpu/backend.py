@@ -1,0 +1,163 @@
+"""`CpuAttentionBackend` ("cpu"): paged attention by a compiled C++/OpenMP op that reads K/V in
+place through the page table (no per-layer gather copy), same interface as the torch twin.
+
+Per forward, `init_forward` plans once for all layers a list of work items (see
+`paged_attention.cpp`): a decode row is one item, or several split-KV items plus a reduce when the
+batch is too small to keep the threads busy and its context is long (flash-decoding); an extend
+request is one item per block of `extend_block` query rows over its prefix and causally over
+itself. An item is one task over all KV heads (a page's rows are read sequentially); items are
+sorted longest first and handed out dynamically to torch's intra-op threads.
+Per layer, `forward` stores the new K/V into their slots (`store_kv`, index_put) and makes one op
+call for the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from radixlm.kernels.cpu.build import load_error, load_op
+from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.reference import TorchAttentionBackend, store_kv
+from radixlm.kernels.registry import register_attention_backend
+
+logger = logging.getLogger(__name__)
+
+_op = load_op()
+if _op is None:
+    raise ImportError(f"the compiled CPU attention op could not be built or loaded: {load_error()}")
+
+
+def choose_num_kv_splits(
+    num_decode: int,
+    seq_len: int,
+    num_threads: int,
+    max_splits: int = 16,
+    min_tokens_per_split: int = 256,
+) -> int:
+    """Split-KV factor for one decode row: enough tasks for ~4 per thread when the decode rows
+    alone (one task each, all KV heads) do not give that, but never splits shorter than
+    `min_tokens_per_split` tokens (the partial writes and the reduce would dominate)."""
+    by_occupancy = math.ceil(4 * num_threads / max(1, num_decode))
+    by_length = seq_len // max(1, min_tokens_per_split)
+    return max(1, min(by_occupancy, by_length, max_splits))
+
+
+@register_attention_backend("cpu")
+class CpuAttentionBackend:
+    """Compiled CPU paged attention over a `KVCache` (bf16 / fp16 / fp32 K/V, fp32 accumulate).
+
+    `force_num_kv_splits` overrides the split-KV heuristic for every decode row of length >= 2
+    (tests, benchmarks); `extend_block` is the query rows per extend work item.
+    """
+
+    def __init__(self, kv_cache: KVCache) -> None:
+        if kv_cache.k_buffers[0].device.type != "cpu":
+            raise ValueError("attention_backend='cpu' needs the KV cache on the CPU")
+        self.kv_cache = kv_cache
+        self.op = _op
+        head_dim = kv_cache.k_buffers[0].shape[2]
+        # NOTE: the op's register tiles step 16 floats through the head dim.
+        self._twin = TorchAttentionBackend(kv_cache) if head_dim % 16 else None
+        if self._twin is not None:
+            logger.warning(
+                "CPU attention op needs head_dim %% 16 == 0 (got %d); using the torch backend",
+                head_dim,
+            )
+        self.force_num_kv_splits: int | None = None
+        self.max_kv_splits = 16
+        self.min_tokens_per_split = 256
+        self.extend_block = 64
+        self._batch: ForwardBatch | None = None
+
+    def init_forward(self, batch: ForwardBatch) -> None:
+        """Plan the work items once per forward (shared by all layers)."""
+        self._batch = batch
+        if self._twin is not None:
+            self._twin.init_forward(batch)
+            return
+        threads = torch.get_num_threads()
+        ext = batch.extend_lens_cpu
+        seq = batch.seq_lens_cpu
+        num_decode = sum(1 for e in ext if e == 1)
+        items: list[tuple[int, ...]] = []  # (req, row0, nq, pos0, kv_lo, kv_hi, part)
+        reduces: list[tuple[int, int, int]] = []  # (row, part0, nparts)
+        num_parts = 0
+        row = 0
+        for r, (e, n) in enumerate(zip(ext, seq)):
+            prefix = n - e
+            if e == 1:
+                if self.force_num_kv_splits is not None:
+                    splits = min(self.force_num_kv_splits, n)
+                else:
+                    splits = choose_num_kv_splits(
+                        num_decode,
+                        n,
+                        threads,
+                        self.max_kv_splits,
+                        self.min_tokens_per_split,
+                    )
+                if splits > 1:
+                    chunk = -(-n // splits)
+                    starts = range(0, n, chunk)
+                    reduces.append((row, num_parts, len(starts)))
+                    for lo in starts:
+                        items.append((r, row, 1, prefix, lo, min(n, lo + chunk), num_parts))
+                        num_parts += 1
+                else:
+                    items.append((r, row, 1, prefix, 0, n, -1))
+            else:
+                for q0 in range(0, e, self.extend_block):
+                    nq = min(self.extend_block, e - q0)
+                    items.append((r, row + q0, nq, prefix + q0, 0, n, -1))
+            row += e
+        # Longest first (cost ~ query rows x keys): dynamic hand-out then balances the threads.
+        items.sort(key=lambda it: -it[2] * (min(it[5], it[3] + it[2]) - it[4]))
+        self.items = torch.tensor(items, dtype=torch.int32).reshape(-1, 7)
+        self.reduces = torch.tensor(reduces, dtype=torch.int32).reshape(-1, 3)
+        self.num_parts = num_parts
+        self.num_kv_splits = max((n for _, _, n in reduces), default=1)
+        self.page_table = batch.page_table.to(torch.int32).contiguous()
+        # Split-KV scratch, allocated by the first layer (Hq and D are known there).
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        batch = self._batch
+        assert batch is not None, "init_forward() must be called before forward()"
+        if self._twin is not None:
+            return self._twin.forward(layer_id, q, k, v, scale)
+        k_buf = self.kv_cache.k_buffers[layer_id]
+        v_buf = self.kv_cache.v_buffers[layer_id]
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        qc = q if q.dtype == k_buf.dtype and q.stride(-1) == 1 else q.to(k_buf.dtype).contiguous()
+        out = torch.empty(qc.shape, dtype=qc.dtype)  # [T, Hq, D]
+        parts = self._parts
+        if parts is None or parts[0].shape[1:] != qc.shape[1:]:
+            t, hq, d = qc.shape
+            parts = self._parts = (
+                torch.empty((self.num_parts, hq, d), dtype=torch.float32),
+                torch.empty((self.num_parts, hq), dtype=torch.float32),
+            )
+        self.op.paged_attention(
+            qc,
+            k_buf,
+            v_buf,
+            out,
+            self.page_table,
+            self.items,
+            self.reduces,
+            parts[0],
+            parts[1],
+            batch.page_size,
+            scale,
+        )
+        return out if out.dtype == q.dtype else out.to(q.dtype)

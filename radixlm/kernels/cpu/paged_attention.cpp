@@ -1,0 +1,489 @@
+// Paged attention on CPU that reads K/V where they lie (no gather copy).
+//
+// Layout (see radixlm/kernels/forward_batch.py): the K/V of layer l are [num_slots, Hkv, D];
+// token j of request r lives at slot page_table[r, j / page_size] * page_size + j % page_size.
+//
+// The host plans once per forward a list of work items (int32 [N, 7]):
+//   (req, row0, nq, pos0, kv_lo, kv_hi, part)
+// meaning: query rows row0 .. row0 + nq - 1 of q (at positions pos0 .. pos0 + nq - 1 of request
+// req) attend to the keys at positions [kv_lo, min(kv_hi, pos0 + nq)), causally (a query at
+// position p sees keys <= p). part < 0: the normalized output goes to out; part >= 0: the item is
+// one split of a split-KV decode, its normalized output and log2-sum-exp go to the partial
+// buffers at index part, and a reduce item (row, part0, nparts) combines them.
+//
+// Each item is one task over all KV heads: a key block is read as whole [Hkv, D] rows (a page
+// is one sequential run of memory), and the G = Hq / Hkv query heads that share a KV head are
+// processed together, so every K/V row is loaded (and converted to fp32) once. Online
+// softmax (flash attention) over key blocks of BLOCK_K, fp32 accumulation, exp2 domain. Tasks are
+// handed out dynamically (atomic counter) to torch's intra-op threads (at::parallel_for).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK_K = 64;  // keys per online-softmax block
+constexpr int VW = 8;        // floats per vector (256-bit; AVX2 and up)
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// GCC/Clang vector extensions: the compiler emits AVX2 / AVX-512VL code for -march=native.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+typedef uint16_t h8u __attribute__((vector_size(16), aligned(2)));
+
+inline v8 load(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+inline v8 bcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum(v8 v) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += v[i];
+  return s;
+}
+inline float hmax(v8 v) {
+  float m = v[0];
+  for (int i = 1; i < VW; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// VW elements of a K/V row as fp32.
+inline v8 load_f(const float* p) { return load(p); }
+inline v8 load_f(const c10::BFloat16* p) {
+  const h8u h = *reinterpret_cast<const h8u*>(p);
+  return reinterpret_cast<v8>(__builtin_convertvector(h, u8v) << 16);
+}
+inline v8 load_f(const c10::Half* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<v8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8 r;
+  for (int i = 0; i < VW; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+// 2^x for x <= 0 (x may be -inf: 0). Round-to-nearest via the 1.5 * 2^23 trick, r in
+// [-0.5, 0.5], degree-7 Taylor of e^(r ln 2): relative error < 1e-8.
+inline v8 exp2v(v8 x) {
+  const v8 lo = bcast(-127.f);
+  const v8 xc = x < lo ? lo : x;
+  const v8 magic = bcast(12582912.f);
+  const v8 t = xc + magic;
+  const v8 n = t - magic;
+  const v8 r = (xc - n) * 0.6931471805599453f;
+  v8 p = bcast(1.f / 5040.f);
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i8v e = (reinterpret_cast<i8v>(t) - 0x4B400000 + 127) << 23;
+  const v8 y = p * reinterpret_cast<v8>(e);
+  return x <= lo ? v8{} : y;
+}
+inline float exp2s(float x) { return exp2v(bcast(x))[0]; }
+
+template <typename T>
+inline void store_out(const float* src, T* dst, int64_t n, float mul) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+struct Dims {
+  int64_t hq, hkv, d, group, page_size;
+  int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, pt_s0;
+};
+
+// Per-thread scratch, sized for the largest task of a call (all fp32). Rows are ordered
+// (kv head, query, head in group); kf / kt / vf hold one key block per KV head.
+struct Scratch {
+  std::vector<float> qf, acc, m, l, alpha, s, kf, kt, vf;
+  void reserve(int64_t rows, int64_t hkv, int64_t d) {
+    qf.assign(rows * d, 0.f);
+    acc.assign(rows * d, 0.f);
+    m.assign(rows, 0.f);
+    l.assign(rows, 0.f);
+    alpha.assign(rows, 0.f);
+    s.assign(rows * BLOCK_K, 0.f);
+    kf.assign(hkv * BLOCK_K * d, 0.f);
+    kt.assign(hkv * BLOCK_K * d, 0.f);
+    vf.assign(hkv * BLOCK_K * d, 0.f);
+  }
+};
+
+// [sum(a0), ..., sum(a7)]: eight horizontal sums at once.
+inline v8 hsum8(const v8* a) {
+#if defined(__AVX__)
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return v8(_mm256_permute2f128_ps(u0, u1, 0x20)) + v8(_mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+  v8 r;
+  for (int i = 0; i < VW; ++i) r[i] = hsum(a[i]);
+  return r;
+#endif
+}
+
+// S[r, 0:n8] = q[r] . K[j] for few rows (decode), eight keys at a time (n8 = n rounded up to 8:
+// kf rows n..n8 hold stale finite values whose scores are masked later). kf: [BLOCK_K, D] fp32.
+inline void scores_dot(const float* qf, int64_t rows, const float* kf, int64_t n, int64_t D,
+                       float* s) {
+  for (int64_t j = 0; j < n; j += VW) {
+    const float* k = kf + j * D;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* q = qf + r * D;
+      v8 a[VW];
+      for (int i = 0; i < VW; ++i) a[i] = v8{};
+      for (int64_t d = 0; d < D; d += VW) {
+        const v8 qv = load(q + d);
+        for (int i = 0; i < VW; ++i) a[i] += qv * load(k + i * D + d);
+      }
+      store(s + r * BLOCK_K + j, hsum8(a));
+    }
+  }
+}
+
+// S[r, 0:BLOCK_K] = q[r] . K for many rows (extend): a register tile of RM rows x 16 keys over
+// the transposed block kt [D, BLOCK_K] (columns >= n hold stale values; they are masked later).
+template <int RM>
+inline void scores_tile(const float* qf, const float* kt, int64_t D, float* s) {
+  for (int j = 0; j < BLOCK_K; j += 2 * VW) {
+    v8 a[RM][2];
+    for (int r = 0; r < RM; ++r) a[r][0] = a[r][1] = v8{};
+    for (int64_t d = 0; d < D; ++d) {
+      const v8 k0 = load(kt + d * BLOCK_K + j), k1 = load(kt + d * BLOCK_K + j + VW);
+      for (int r = 0; r < RM; ++r) {
+        const v8 q = bcast(qf[r * D + d]);
+        a[r][0] += q * k0;
+        a[r][1] += q * k1;
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      store(s + r * BLOCK_K + j, a[r][0]);
+      store(s + r * BLOCK_K + j + VW, a[r][1]);
+    }
+  }
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j P[r, j] V[j] for RM rows, 16 columns of D at a time.
+template <int RM>
+inline void pv_tile(float* acc, const float* alpha, const float* p, const float* vf, int64_t n,
+                    int64_t D) {
+  for (int64_t d = 0; d < D; d += 2 * VW) {
+    v8 a[RM][2];
+    for (int r = 0; r < RM; ++r) {
+      a[r][0] = load(acc + r * D + d) * alpha[r];
+      a[r][1] = load(acc + r * D + d + VW) * alpha[r];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const v8 v0 = load(vf + j * D + d), v1 = load(vf + j * D + d + VW);
+      for (int r = 0; r < RM; ++r) {
+        const v8 w = bcast(p[r * BLOCK_K + j]);
+        a[r][0] += w * v0;
+        a[r][1] += w * v1;
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      store(acc + r * D + d, a[r][0]);
+      store(acc + r * D + d + VW, a[r][1]);
+    }
+  }
+}
+
+// Row tiles of RM_MAX rows, then one tile for the rest.
+constexpr int RM_MAX = 6;  // 6 rows x 2 vectors = 12 accumulators (of 16 AVX2 registers)
+
+template <typename Tile>
+inline void by_row_tiles(int64_t rows, Tile tile) {
+  int64_t r = 0;
+  for (; r + RM_MAX <= rows; r += RM_MAX) tile(r, std::integral_constant<int, RM_MAX>{});
+  switch (rows - r) {
+    case 1: tile(r, std::integral_constant<int, 1>{}); break;
+    case 2: tile(r, std::integral_constant<int, 2>{}); break;
+    case 3: tile(r, std::integral_constant<int, 3>{}); break;
+    case 4: tile(r, std::integral_constant<int, 4>{}); break;
+    case 5: tile(r, std::integral_constant<int, 5>{}); break;
+    default: break;
+  }
+}
+
+// One work item over all KV heads: a key block is read as whole [Hkv, D] rows (contiguous:
+// a page is one sequential run of memory), converted to fp32 once, and used by every query
+// head of its group.
+template <typename T>
+void attend_task(
+    const int32_t* item,
+    const T* q,
+    const T* k_buf,
+    const T* v_buf,
+    const int32_t* page_table,
+    T* out,
+    float* part_o,    // [P, Hq, D]
+    float* part_lse,  // [P, Hq]
+    const Dims& dm,
+    float qscale,
+    Scratch& sc) {
+  const int64_t req = item[0], row0 = item[1], nq = item[2], pos0 = item[3];
+  const int64_t kv_lo = item[4], part = item[6];
+  const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + nq);
+  const int64_t D = dm.d, G = dm.group, H = dm.hkv, M = nq * G, MT = H * M;
+  const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
+  float* qf = sc.qf.data();
+  float* acc = sc.acc.data();
+  float* mrow = sc.m.data();
+  float* lrow = sc.l.data();
+  float* alpha = sc.alpha.data();
+  float* s = sc.s.data();
+  float* kf = sc.kf.data();
+  float* kt = sc.kt.data();
+  float* vf = sc.vf.data();
+  const int64_t blk = BLOCK_K * D;  // floats per head in kf / kt / vf
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
+        float* dst = qf + (h * M + i * G + g) * D;
+        for (int64_t d = 0; d < D; d += VW) store(dst + d, load_f(src + d) * qscale);
+      }
+    }
+  }
+  std::fill(acc, acc + MT * D, 0.f);
+  std::fill(mrow, mrow + MT, NEG_INF);
+  std::fill(lrow, lrow + MT, 0.f);
+  const int32_t* pages = page_table + req * dm.pt_s0;
+  const int64_t ps = dm.page_size;
+  const int64_t row_bytes = H * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
+    const int64_t n = std::min<int64_t>(BLOCK_K, kv_hi - j0);
+    int64_t page = j0 / ps, off = j0 % ps;  // one division per block, not per key
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
+      if (++off == ps) off = 0, ++page;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
+        const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
+        for (int64_t d = 0; d < D; d += VW) {
+          const v8 kv = load_f(kp + d);
+          if (tiled) {
+            for (int i = 0; i < VW; ++i) kt[h * blk + (d + i) * BLOCK_K + jj] = kv[i];
+          } else {
+            store(kf + h * blk + jj * D + d, kv);
+          }
+          store(vf + h * blk + jj * D + d, load_f(vp + d));
+        }
+      }
+    }
+    // Pages are scattered: prefetch the next block's rows while this one is computed.
+    const int64_t n2 = std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
+    for (int64_t jj = 0; jj < n2; ++jj) {
+      const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
+      if (++off == ps) off = 0, ++page;
+      const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
+      const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = qf + h * M * D;
+      float* sh = s + h * M * BLOCK_K;
+      if (tiled) {
+        const float* kth = kt + h * blk;
+        by_row_tiles(M, [&](int64_t r, auto rm) {
+          scores_tile<decltype(rm)::value>(qh + r * D, kth, D, sh + r * BLOCK_K);
+        });
+      } else {
+        scores_dot(qh, M, kf + h * blk, n, D, sh);
+      }
+    }
+    // Online softmax per row over the valid (causal, in-range) keys of this block.
+    for (int64_t r = 0; r < MT; ++r) {
+      float* sr = s + r * BLOCK_K;
+      const int64_t qpos = pos0 + (r % M) / G;
+      const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
+      if (nv <= 0) {  // every key of the block is after this query: weights 0, no rescale
+        std::fill(sr, sr + BLOCK_K, 0.f);
+        alpha[r] = 1.f;
+        continue;
+      }
+      for (int64_t jj = nv; jj < BLOCK_K; ++jj) sr[jj] = NEG_INF;
+      v8 mx = load(sr);
+      for (int jj = VW; jj < BLOCK_K; jj += VW) mx = mx > load(sr + jj) ? mx : load(sr + jj);
+      const float m_new = std::max(mrow[r], hmax(mx));
+      alpha[r] = mrow[r] == NEG_INF ? 0.f : exp2s(mrow[r] - m_new);
+      v8 sum = v8{};
+      const v8 mb = bcast(m_new);
+      for (int jj = 0; jj < BLOCK_K; jj += VW) {
+        const v8 e = exp2v(load(sr + jj) - mb);
+        store(sr + jj, e);
+        sum += e;
+      }
+      lrow[r] = lrow[r] * alpha[r] + hsum(sum);
+      mrow[r] = m_new;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float* ah = acc + h * M * D;
+      const float* alh = alpha + h * M;
+      const float* sh = s + h * M * BLOCK_K;
+      const float* vh = vf + h * blk;
+      by_row_tiles(M, [&](int64_t r, auto rm) {
+        pv_tile<decltype(rm)::value>(ah + r * D, alh + r, sh + r * BLOCK_K, vh, n, D);
+      });
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < nq; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = h * M + i * G + g, hq = h * G + g;
+        const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
+        if (part < 0) {
+          store_out(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
+        } else {
+          float* po = part_o + (part * dm.hq + hq) * D;
+          for (int64_t d = 0; d < D; ++d) po[d] = acc[r * D + d] * inv;
+          part_lse[part * dm.hq + hq] = mrow[r] + std::log2(lrow[r]);
+        }
+      }
+    }
+  }
+}
+
+// Combine the splits of one decode row for one query head.
+template <typename T>
+void reduce_task(
+    const int32_t* red, int64_t hq, const float* part_o, const float* part_lse, T* out,
+    const Dims& dm, float* tmp) {
+  const int64_t row = red[0], p0 = red[1], np = red[2], D = dm.d;
+  float gmax = NEG_INF;
+  for (int64_t p = 0; p < np; ++p) gmax = std::max(gmax, part_lse[(p0 + p) * dm.hq + hq]);
+  std::fill(tmp, tmp + D, 0.f);
+  float wsum = 0.f;
+  for (int64_t p = 0; p < np; ++p) {
+    const float w = exp2s(part_lse[(p0 + p) * dm.hq + hq] - gmax);
+    wsum += w;
+    const float* po = part_o + ((p0 + p) * dm.hq + hq) * D;
+    for (int64_t d = 0; d < D; ++d) tmp[d] += w * po[d];
+  }
+  store_out(tmp, out + row * dm.o_s0 + hq * dm.o_s1, D, wsum > 0.f ? 1.f / wsum : 0.f);
+}
+
+// Run fn(task) for task in [0, n) on torch's intra-op threads, tasks handed out dynamically.
+template <typename Init, typename Fn>
+void parallel_tasks(int64_t n, Init init, Fn fn) {
+  if (n <= 0) return;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
+    auto state = init();
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t, state);
+  });
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t cols) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), name, ": int32 contiguous");
+  TORCH_CHECK(t.dim() == 2 && t.size(1) == cols, name, ": expected [N, ", cols, "]");
+}
+
+}  // namespace
+
+// out[T, Hq, D] = attention of q over the paged K/V, per the planned work items.
+void paged_attention(
+    const at::Tensor& q,           // [T, Hq, D], last dim contiguous
+    const at::Tensor& k_buf,       // [S, Hkv, D]
+    const at::Tensor& v_buf,       // [S, Hkv, D]
+    at::Tensor& out,               // [T, Hq, D], q's dtype, last dim contiguous
+    const at::Tensor& page_table,  // [B, max_pages] int32
+    const at::Tensor& items,       // [N, 7] int32
+    const at::Tensor& reduces,     // [R, 3] int32
+    at::Tensor& part_o,            // [P, Hq, D] float32 (P >= 0)
+    at::Tensor& part_lse,          // [P, Hq] float32
+    int64_t page_size,
+    double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 3);
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && k_buf.scalar_type() == v_buf.scalar_type()
+              && out.scalar_type() == q.scalar_type(), "q, k_buf, v_buf, out: one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out: last dim contiguous");
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous(), "k_buf/v_buf: contiguous");
+  TORCH_CHECK(k_buf.sizes() == v_buf.sizes(), "k_buf and v_buf shapes differ");
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.dim() == 2 &&
+              page_table.stride(1) == 1, "page_table: int32 [B, max_pages], rows contiguous");
+  check_index(items, "items", 7);
+  check_index(reduces, "reduces", 3);
+  TORCH_CHECK(part_o.scalar_type() == at::kFloat && part_o.is_contiguous());
+  TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.is_contiguous());
+  const int64_t hq = q.size(1), hkv = k_buf.size(1), d = q.size(2);
+  TORCH_CHECK(hq % hkv == 0 && k_buf.size(2) == d, "head counts / head dims do not match");
+  TORCH_CHECK(d % 16 == 0, "paged_attention: head_dim must be a multiple of 16, got ", d);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
+  TORCH_CHECK(reduces.size(0) == 0 || part_o.dim() == 3 && part_o.size(1) == hq &&
+              part_o.size(2) == d && part_lse.size(1) == hq, "partial buffers: [P, Hq, D]");
+  Dims dm{hq, hkv, d, hq / hkv, page_size, q.stride(0), q.stride(1), out.stride(0),
+          out.stride(1), k_buf.stride(0), k_buf.stride(1), page_table.stride(0)};
+  const int64_t n_items = items.size(0), n_red = reduces.size(0);
+  const int32_t* it = items.data_ptr<int32_t>();
+  int64_t max_nq = 1;
+  for (int64_t i = 0; i < n_items; ++i) max_nq = std::max<int64_t>(max_nq, it[i * 7 + 2]);
+  const float qscale = static_cast<float>(scale) * LOG2E;
+  float* po = part_o.numel() ? part_o.data_ptr<float>() : nullptr;
+  float* pl = part_lse.numel() ? part_lse.data_ptr<float>() : nullptr;
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_buf.data_ptr<scalar_t>();
+    const scalar_t* vp = v_buf.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int32_t* pt = page_table.data_ptr<int32_t>();
+    parallel_tasks(
+        n_items,
+        [&] {
+          Scratch sc;
+          sc.reserve(max_nq * hq, hkv, d);
+          return sc;
+        },
+        [&](int64_t t, Scratch& sc) {
+          attend_task<scalar_t>(it + t * 7, qp, kp, vp, pt, op, po, pl, dm, qscale, sc);
+        });
+    const int32_t* rd = reduces.data_ptr<int32_t>();
+    parallel_tasks(
+        n_red * hq, [&] { return std::vector<float>(d); },
+        [&](int64_t t, std::vector<float>& tmp) {
+          reduce_task<scalar_t>(rd + (t / hq) * 3, t % hq, po, pl, op, dm, tmp.data());
+        });
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_attention: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+// A plain dispatcher op (no pybind11: the extension compiles much faster), called as
+// torch.ops.radixlm_cpu.paged_attention(...).
+TORCH_LIBRARY(radixlm_cpu, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, Tensor page_table, "
+      "Tensor items, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, int page_size, "
+      "float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention);
+}
