@@ -37,7 +37,7 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
-from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT
+from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 
@@ -227,7 +227,7 @@ class OutlinesBackend(GrammarBackend):
             return choices_regex(parse_choices(c.spec))
         if c.kind == "tool_calls":
             return self._tool_calls_regex(c)
-        schema = c.spec if c.kind == "json_schema" else '{"type":"object"}'
+        schema = prepared_schema_text(c.spec) if c.kind == "json_schema" else '{"type":"object"}'
         ws = "" if c.whitespace == "compact" else f"[ \\t\\n\\r]{{0,{MAX_JSON_WHITESPACE}}}"
         try:
             return oc.json_schema.build_regex_from_schema(schema, ws)

@@ -8,51 +8,60 @@ validator rejects (``uniqueItems``, ``multipleOf`` on numbers, ``if``/``then``/`
 
 Over-strict behaviour is accepted silently: the output still validates. Both backends forbid
 properties that the schema does not declare unless it says ``additionalProperties`` (like
-OpenAI's strict mode), match ``pattern`` against the whole string and generate ``oneOf`` as
-``anyOf``; outlines never emits ``\\u`` escapes, xgrammar no escapes at all in length-bounded
+OpenAI's strict mode) and match ``pattern`` against the whole string; outlines never emits
+``\\u`` escapes, xgrammar no escapes at all in length-bounded
 strings. Silent under-enforcement found by probing (and rejected here): type-specific keywords
 in a schema without ``"type"``, ``required`` names that ``properties`` does not declare, and
 the per-backend gaps listed in the support tables at the bottom.
+
+Both backends generate ``oneOf`` as ``anyOf``, which lets a value match two branches (invalid
+under ``oneOf``): strict mode accepts a ``oneOf`` only when ``disjoint.one_of_disjoint`` proves
+its branches pairwise disjoint.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.grammar.base import GrammarError
+from radixlm.runtime.grammar.disjoint import one_of_disjoint
+from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
+from radixlm.runtime.grammar.schema_keywords import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    VALIDATION_KEYWORDS,
+)
 
-# Keywords that make a JSON-schema validator reject instances.
-VALIDATION_KEYWORDS = frozenset(
-    {
-        "type", "enum", "const",
-        "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-        "minProperties", "maxProperties", "dependentRequired", "dependentSchemas",
-        "dependencies", "unevaluatedProperties",
-        "items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
-        "contains", "minContains", "maxContains", "unevaluatedItems",
-        "minLength", "maxLength", "pattern", "format",
-        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-        "anyOf", "oneOf", "allOf", "not", "if", "then", "else",
-        "$ref", "$dynamicRef", "$recursiveRef",
-    }
-)  # fmt: skip
-# Where subschemas live: name -> how its value holds them.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = (
-    "additionalProperties", "propertyNames", "unevaluatedProperties", "additionalItems",
-    "unevaluatedItems", "contains", "not", "if", "then", "else",
-)  # fmt: skip
-_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_SCHEMA_MAPS, _SCHEMA_VALUES, _SCHEMA_LISTS = SCHEMA_MAPS, SCHEMA_VALUES, SCHEMA_LISTS
 # Type-specific keywords that the backends apply only when the schema states its "type".
 _NEEDS_TYPE = frozenset(
     {
         "minLength", "maxLength", "pattern", "format",
         "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "minItems", "maxItems", "prefixItems", "items", "unevaluatedItems",
+        "minProperties", "maxProperties", "patternProperties", "propertyNames",
+        "unevaluatedProperties",
     }
 )  # fmt: skip
+# Keywords that evaluate properties / items in place: ``unevaluated*`` next to them depends on
+# annotations, which the backends do not track.
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
+             "dependentSchemas", "dependencies")  # fmt: skip
 _MAX_DEPTH = 128
+# Keywords the backends apply while ignoring every other validation keyword beside them (but
+# those listed); measured on both backends. The normalizer distributes / filters most away.
+_ALONE: dict[str, frozenset[str]] = {
+    "$ref": frozenset({"$ref"}),
+    "anyOf": frozenset({"anyOf"}),
+    "oneOf": frozenset({"oneOf"}),
+    "allOf": frozenset({"allOf"}),
+    "enum": frozenset({"enum", "const"}),
+    "const": frozenset({"enum", "const"}),
+}
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,10 @@ class SchemaSupport:
     formats: frozenset[str]
     multiple_of_integers_only: bool = False
     max_all_of: int = 1
+    # ``{}`` (any value) below the root compiles correctly.
+    empty_subschema: bool = True
+    # A ``pattern`` with a top-level ``|`` compiles correctly.
+    pattern_alternation: bool = True
     # (keyword, sibling): the keyword is ignored when the sibling is in the same schema.
     ignored_with: tuple[tuple[str, str], ...] = ()
 
@@ -132,10 +145,23 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
         elif key == "multipleOf" and support.multiple_of_integers_only:
             if schema.get("type") != "integer":
                 found.append("multipleOf (on a non-integer schema)")
+            elif not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+                found.append("multipleOf (not an integer)")
+        elif key == "pattern" and isinstance(value, str):
+            found.extend(f"pattern: {value!r} ({p})" for p in pattern_problems(value, support))
         elif key == "allOf" and isinstance(value, list) and len(value) > support.max_all_of:
             found.append(f"allOf (with {len(value)} subschemas)")
         elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
             found.append(f"$ref: {value!r} (external reference)")
+        elif key == "$ref" and isinstance(value, str) and value != "#" and value[:2] != "#/":
+            found.append(f"$ref: {value!r} (anchor reference)")
+        elif key in _ALONE and any(k in VALIDATION_KEYWORDS and k not in _ALONE[key]
+                                   for k in schema):  # fmt: skip
+            found.append(f"{key} (with sibling keywords)")
+        elif key.startswith("unevaluated") and any(k in schema for k in _IN_PLACE):
+            found.append(f"{key} (with in-place applicators)")
+        elif key == "patternProperties" and isinstance(value, dict):
+            found.extend(_pattern_properties_problems(schema, value))
         elif key == "items" and isinstance(value, list):
             found.append("items (array form; use prefixItems)")
         elif key == "required" and isinstance(value, list):
@@ -144,6 +170,77 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.extend(
                 f"required: {name!r} (not in properties)" for name in value if name not in declared
             )
+    return found
+
+
+def _regex_features(pattern: str) -> set[str]:
+    """Which of "lookaround", "inner anchor", "top-level |" a regex uses (escapes and
+    character classes skipped)."""
+    found: set[str] = set()
+    depth, i, n = 0, 0, len(pattern)
+    in_class = False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":
+                i += 1
+        elif ch == "(":
+            if pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!"):
+                found.add("lookaround")
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            found.add("top-level |")
+        elif ch == "^" and i != 0:
+            found.add("inner anchor")
+        elif ch == "$" and i != n - 1:
+            found.add("inner anchor")
+        i += 1
+    return found
+
+
+def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
+    """Why a backend cannot enforce ``pattern`` exactly (both ignore lookarounds and anchors
+    inside the pattern; outlines splices the pattern into its regex without a group)."""
+    found = _regex_features(pattern) - ({"top-level |"} if support.pattern_alternation else set())
+    return sorted(f"{f} unsupported" for f in found)
+
+
+def _anchored(pattern: str) -> bool:
+    return pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$")
+
+
+def _pattern_properties_problems(schema: dict[str, Any], patterns: dict[str, Any]) -> list[str]:
+    """The backends match a ``patternProperties`` key against the whole name and apply one
+    schema per key; JSON Schema searches and applies every matching one (and ``properties``)."""
+    import re
+
+    found = [
+        f"patternProperties: {p!r} (not anchored with ^...$)" for p in patterns if not _anchored(p)
+    ]
+    found += [
+        f"patternProperties: {p!r} ({f} unsupported)"
+        for p in patterns
+        for f in sorted(_regex_features(p) - {"top-level |"})
+    ]
+    declared = schema.get("properties")
+    names = list(declared) if isinstance(declared, dict) else []
+    for p in patterns:
+        try:
+            rx = re.compile(p)
+        except re.error:
+            continue
+        if any(rx.search(n) for n in names):
+            found.append(f"patternProperties: {p!r} (matches a declared property)")
+    if len(patterns) > 1:
+        found.append("patternProperties (more than one pattern)")
     return found
 
 
@@ -158,6 +255,10 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
         if depth > _MAX_DEPTH:
             raise GrammarError(f"JSON schema nests deeper than {_MAX_DEPTH} levels")
         out.extend(Unsupported(k, path) for k in _problems(node, support, typed))
+        if not support.empty_subschema and path != "#" and not VALIDATION_KEYWORDS & node.keys():
+            out.append(Unsupported("{} (a subschema allowing any value)", path))
+        if "oneOf" in support.keywords and not one_of_disjoint(schema, node):
+            out.append(Unsupported("oneOf (branches not provably disjoint)", path))
         for rel, sub in reversed(_children(node)):
             stack.append((f"{path}/{rel}", sub, depth + 1, rel == "propertyNames"))
     return out
@@ -213,8 +314,17 @@ def check_metaschema(schema: Any) -> None:
         raise GrammarError(f"invalid JSON schema at #/{where}: {exc.message}") from None
 
 
+@functools.lru_cache(maxsize=512)
+def prepared_schema_text(spec: str) -> str:
+    """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
+    rewrites), then ``normalize.lower_for_backends``, as compact JSON (key order kept)."""
+    schema = lower_for_backends(normalize_schema(json.loads(spec)))
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
 def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort: bool) -> Any:
-    """Parse, metaschema-check and strictness-check schema text; return the parsed schema."""
+    """Parse, metaschema-check, normalize and strictness-check schema text; return the
+    prepared schema (what the backend compiles)."""
     try:
         schema = json.loads(spec)
     except json.JSONDecodeError as exc:
@@ -224,6 +334,9 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
     # NOTE: before the metaschema check, which recurses (a deep schema would overflow it).
     check_json_shape(schema, "JSON schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
     check_metaschema(schema)
+    schema = json.loads(prepared_schema_text(spec))
+    if schema is False:
+        raise GrammarError("JSON schema matches nothing (after merging its subschemas)")
     if best_effort:
         return schema
     bad = find_unsupported(schema, support)
@@ -286,11 +399,33 @@ XGRAMMAR_SUPPORT = SchemaSupport(
     keywords=_COMMON | _XGRAMMAR_EXTRA,
     formats=_XGRAMMAR_FORMATS,
     multiple_of_integers_only=True,
+    # Found in xgrammar's warnings: it drops length bounds next to pattern / format, and
+    # multipleOf next to a numeric range.
+    ignored_with=(
+        ("minLength", "pattern"),
+        ("maxLength", "pattern"),
+        ("minLength", "format"),
+        ("maxLength", "format"),
+        ("multipleOf", "minimum"),
+        ("multipleOf", "maximum"),
+        ("multipleOf", "exclusiveMinimum"),
+        ("multipleOf", "exclusiveMaximum"),
+    ),  # fmt: skip
 )
 # Measured with outlines-core 0.2.14: no numeric bounds, no min/maxProperties, no
-# propertyNames / patternProperties, no minItems next to prefixItems.
+# propertyNames / patternProperties, no minItems next to prefixItems; a ``{}`` subschema
+# becomes an ungrouped alternation that leaks out of its position in the regex.
 OUTLINES_SUPPORT = SchemaSupport(
     keywords=_COMMON - {"minProperties"},
     formats=frozenset({"email", "date", "time", "date-time", "uuid", "uri"}),
-    ignored_with=(("minItems", "prefixItems"),),
+    # It drops pattern / format next to length bounds.
+    ignored_with=(
+        ("minItems", "prefixItems"),
+        ("pattern", "minLength"),
+        ("pattern", "maxLength"),
+        ("format", "minLength"),
+        ("format", "maxLength"),
+    ),  # fmt: skip
+    empty_subschema=False,
+    pattern_alternation=False,
 )

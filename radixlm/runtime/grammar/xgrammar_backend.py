@@ -35,7 +35,7 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
-from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT
+from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
     CALL_END,
@@ -160,7 +160,7 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def _json_grammar(c: Constraint) -> xgr.Grammar:
-        schema = c.spec if c.kind == "json_schema" else '{"type":"object"}'
+        schema = prepared_schema_text(c.spec) if c.kind == "json_schema" else '{"type":"object"}'
         if c.whitespace == "any":
             return xgr.Grammar.from_json_schema(
                 schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from radixlm.runtime.grammar import GrammarMatcher, allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar import GrammarMatcher, TokenVocab, allocate_bitmask, is_token_allowed
 
 VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
 EOS = 2
 BACKENDS = ("xgrammar", "outlines")
+# One token per byte, EOS last: walking a text byte by byte through a matcher built on it is
+# exactly "the grammar accepts this string", whatever a real tokenizer would split it into.
+BYTE_EOS = 256
+BYTE_VOCAB = TokenVocab(
+    tuple(bytes([b]) for b in range(256)) + (None,), (BYTE_EOS,), encode=lambda s: list(s.encode())
+)
+
+
+def grammar_accepts(matcher: GrammarMatcher, text: str) -> bool:
+    """Walk ``text`` (on a ``BYTE_VOCAB`` matcher) byte by byte the way decoding does (mask,
+    then accept); True if the grammar allows the whole text and then EOS."""
+    mask = allocate_bitmask(1, BYTE_VOCAB.vocab_size)
+    for b in text.encode():
+        matcher.fill_bitmask(mask, 0)
+        if not is_token_allowed(mask, 0, b):
+            return False
+        assert matcher.accept_token(b), "token allowed by the mask but rejected"
+    matcher.fill_bitmask(mask, 0)
+    eos = is_token_allowed(mask, 0, BYTE_EOS)
+    assert eos == matcher.is_completed()
+    return eos
 
 
 def walk(

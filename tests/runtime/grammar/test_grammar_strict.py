@@ -133,13 +133,16 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "minContains": S(type="array", contains=S(const=5), minContains=2),
     "not": S(type="integer", **{"not": S(const=3)}),
     "if": S(type="integer", **{"if": S(minimum=5), "then": S(maximum=7)}),
-    "dependentRequired": S(type="object", dependentRequired={"a": ["b"]}),
-    "dependentSchemas": S(type="object", dependentSchemas={"a": S(required=["b"])}),
+    "dependentRequired": S(type="object", dependentRequired={k: ["b"] for k in "acde"}),
+    "dependentSchemas": S(type="object", dependentSchemas={k: S(required=["b"]) for k in "acde"}),
     "multipleOf (on a non-integer schema)": S(type="number", multipleOf=0.5),
-    "allOf (with 2 subschemas)": S(allOf=[S(type="integer"), S(minimum=3)]),
+    "allOf (with sibling keywords)": S(type="string", allOf=[S(pattern="a"), S(pattern="b")]),
+    "oneOf (branches not provably disjoint)": S(oneOf=[S(type="string"), S(enum=["linux"])]),
     "format: 'regex'": S(type="string", format="regex"),
     'minLength (without "type")': S(minLength=3),
-    "required: 'a' (not in properties)": S(type="object", required=["a"]),
+    "required: 'a' (not in properties)": S(
+        type="object", required=["a"], additionalProperties=False
+    ),
     'format (without "type")': S(format="date"),
     "$ref: 'https://example.com/s.json' (external reference)": {
         "$ref": "https://example.com/s.json"
@@ -164,7 +167,8 @@ NAMED_AS = {("outlines", "multipleOf (on a non-integer schema)"): "multipleOf"}
 # error for that request only.
 CANNOT_COMPILE = {
     ("xgrammar", "minContains"),
-    ("outlines", "allOf (with 2 subschemas)"),
+    ("outlines", "allOf (with sibling keywords)"),
+    ("outlines", "required: 'a' (not in properties)"),
     ("outlines", "format: 'regex'"),
     ("outlines", "format: 'ipv4'"),
     ("outlines", "$ref: 'https://example.com/s.json' (external reference)"),

@@ -1,0 +1,614 @@
+"""Exact JSON-schema rewrites before compilation: more schemas become enforceable.
+
+``normalize_schema`` returns a schema with the same set of valid instances (under the
+schema's own draft, as ``jsonschema`` validates it), built from keywords the backends enforce.
+A rewrite that cannot be made exactly is not made: the keyword stays, and strict mode then
+refuses it by name. Rewrites, bottom-up:
+
+- ``$ref`` with sibling keywords: siblings dropped before 2019-09 (the validator ignores them),
+  else the target inlined and merged with them.
+- ``allOf``: members merged into their parent where the intersection is one schema (types
+  intersected, ``properties`` / ``required`` / ``additionalProperties`` combined per property,
+  numeric and length bounds tightened, ``enum`` intersected, ...); unmergeable members stay.
+- draft-04 boolean ``exclusiveMinimum`` / ``exclusiveMaximum`` -> the numeric form.
+- ``items`` as an array (drafts before 2020-12) -> ``prefixItems``, with ``additionalItems`` ->
+  ``items``; ``additionalItems`` where the validator ignores it is dropped.
+- ``dependentRequired`` / ``dependentSchemas`` / ``dependencies`` (up to 3 triggers) ->
+  ``anyOf`` of the cases (trigger absent: its property schema ``false``; present: required,
+  with the dependent schema merged).
+- ``if`` / ``then`` / ``else`` on an object whose discriminating property is required and has a
+  finite value set (``const`` / ``enum``), or an ``if`` that only requires one property ->
+  a disjoint ``anyOf`` of (values where ``if`` holds, merged with ``then``) and (the other
+  values, merged with ``else``).
+- ``uniqueItems`` on arrays whose items come from a finite set (``enum`` / ``const`` /
+  boolean) of at most 4 values -> an ``enum`` of every array the original schema accepts
+  (each checked with ``jsonschema``).
+- ``required`` names that ``properties`` does not declare are declared, with the
+  ``additionalProperties`` schema (or any value), when no ``patternProperties`` is present.
+
+``lower_for_backends`` then removes ``false`` property schemas where the backends' "only
+declared properties" behaviour already excludes the property (they cannot compile ``false``).
+
+Schemas with ``$id`` / ``$anchor`` below the root, or a ``$ref`` into anything but
+``$defs`` / ``definitions`` / the root, are left as they are (moving subschemas would change
+what those references point to).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from typing import Any
+
+from radixlm.runtime.grammar.disjoint import json_equal
+from radixlm.runtime.grammar.schema_keywords import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    VALIDATION_KEYWORDS,
+    resolve_pointer,
+)
+
+_MAX_DEPTH = 64
+_MAX_DEPENDENCIES = 3
+_MAX_UNIQUE_VALUES = 4
+_MAX_UNIQUE_ARRAYS = 128
+_MAX_DISTRIBUTED_BYTES = 256 * 1024
+# Keys that stay at a rewritten node instead of being copied into its anyOf branches.
+_HOST = ("$schema", "$id", "$defs", "definitions", "$comment", "title", "description",
+         "default", "examples")  # fmt: skip
+_ANNOTATIONS = frozenset({*_HOST, "deprecated", "readOnly", "writeOnly", "$anchor"})
+_MIN = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
+_MAX = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
+# Keyword groups whose meaning depends on each other: only one merge side may use them.
+_ONE_SIDE = (
+    frozenset({"contains", "minContains", "maxContains"}),
+    frozenset({"if", "then", "else"}),
+    frozenset({"not"}),
+    frozenset({"anyOf"}),
+    frozenset({"oneOf"}),
+    frozenset({"dependentSchemas"}),
+    frozenset({"dependencies"}),
+    frozenset({"propertyNames"}),
+)
+_NO_MERGE = frozenset(
+    {"$ref", "$dynamicRef", "$recursiveRef", "$id", "$anchor", "$dynamicAnchor", "$defs",
+     "definitions", "unevaluatedProperties", "unevaluatedItems", "$schema"}
+)  # fmt: skip
+
+
+def map_subschemas(s: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """A copy of schema object ``s`` with ``fn`` applied to each direct subschema (data values
+    such as ``enum`` / ``const`` / ``default`` are left alone)."""
+    out = dict(s)
+    for key in SCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            out[key] = {k: fn(v) for k, v in s[key].items()}
+    for key in SCHEMA_VALUES:
+        if key in s:
+            out[key] = fn(s[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            out[key] = [fn(v) for v in s[key]]
+    if isinstance(s.get("items"), list):
+        out["items"] = [fn(v) for v in s["items"]]
+    elif "items" in s:
+        out["items"] = fn(s["items"])
+    if isinstance(s.get("dependencies"), dict):
+        out["dependencies"] = {
+            k: fn(v) if isinstance(v, dict) else v for k, v in s["dependencies"].items()
+        }
+    return out
+
+
+class _Draft:
+    def __init__(self, root: Any) -> None:
+        import jsonschema
+
+        cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+        self.keywords = frozenset(cls.VALIDATORS)
+        self.cls = cls
+        self.root = root
+        self.validator = cls(root)
+        self.ref_alone = "prefixItems" not in self.keywords  # before 2019-09: $ref hides siblings
+
+
+def _movable(root: Any) -> bool:
+    """No reference that rewrites could redirect (see the module docstring)."""
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return False
+        if isinstance(node, dict):
+            if depth and any(k in node for k in ("$id", "$anchor", "$dynamicAnchor")):
+                return False
+            for key in ("$ref", "$dynamicRef", "$recursiveRef"):
+                ref = node.get(key)
+                if isinstance(ref, str) and ref.startswith("#") and ref != "#":
+                    head = ref[2:].split("/")[0] if ref.startswith("#/") else ""
+                    if head not in ("$defs", "definitions"):
+                        return False
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+    return True
+
+
+def normalize_schema(schema: Any) -> Any:
+    """An equivalent schema with more keywords in enforceable form (see the module docstring)."""
+    if not isinstance(schema, dict):
+        return schema
+    return _Normalizer(_Draft(schema), _movable(schema)).node(copy.deepcopy(schema), 0)
+
+
+class _Normalizer:
+    def __init__(self, draft: _Draft, movable: bool) -> None:
+        self.draft = draft
+        self.movable = movable  # False: only rewrites that move no subschema
+        self._inlining: list[str] = []  # references being inlined (cycle guard)
+        self._size = 0  # bytes of schema text created by distributing siblings
+
+    def inline(self, s: Any, depth: int) -> Any:
+        """A schema that is only a local ``$ref`` (plus annotations), replaced by its normalized
+        target; anything else as it is."""
+        if not isinstance(s, dict) or not isinstance(s.get("$ref"), str):
+            return s
+        if any(k not in _ANNOTATIONS and k != "$ref" for k in s):
+            return s
+        ref = s["$ref"]
+        if ref in self._inlining or depth > _MAX_DEPTH or not ref.startswith("#/"):
+            return s
+        target = resolve_pointer(self.draft.root, ref)
+        if target is None:
+            return s
+        self._inlining.append(ref)
+        try:
+            return self.node(copy.deepcopy(target), depth + 1)
+        finally:
+            self._inlining.pop()
+
+    # ---- traversal -----------------------------------------------------------------------------
+
+    def node(self, s: Any, depth: int) -> Any:
+        if not isinstance(s, dict) or depth > _MAX_DEPTH:
+            return s
+        s = self._children(s, depth)
+        if "$ref" in s and self.movable:
+            s = self._ref_siblings(s, depth)
+            if not isinstance(s, dict) or "$ref" in s:
+                return s
+        local = (self._boolean_bounds, self._declare_required, self._finite)
+        steps = (
+            self._boolean_bounds, self._items_array, self._all_of, self._declare_required,
+            self._unique_items, self._if_then_else, self._dependencies, self._distribute,
+            self._finite,
+        ) if self.movable else local  # fmt: skip
+        for step in steps:
+            if not isinstance(s, dict):
+                break
+            s = step(s, depth)
+        return s
+
+    def _children(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
+        return map_subschemas(s, lambda v: self.node(v, depth + 1))
+
+    # ---- conjunction ---------------------------------------------------------------------------
+
+    def conj(self, parts: list[Any], depth: int) -> Any:
+        """One schema accepting exactly what every part accepts (an ``allOf`` where a merge
+        is not exact)."""
+        kept = [p for p in parts if p is not True and p != {}]
+        if any(p is False for p in kept):
+            return False
+        if not kept:
+            return {}
+        if len(kept) == 1:
+            return kept[0]
+        return self.node({"allOf": kept}, depth + 1)
+
+    def _all_of(self, s: dict[str, Any], depth: int) -> Any:
+        members = s.get("allOf")
+        if not isinstance(members, list) or "allOf" not in self.draft.keywords:
+            return s
+        merged: Any = {k: v for k, v in s.items() if k != "allOf"}
+        rest = []
+        for m in members:
+            if m is True or m == {}:
+                continue
+            if m is False:
+                return False
+            m = self.inline(m, depth)
+            result = self.merge(merged, m, depth) if isinstance(m, dict) else None
+            if result is None:
+                rest.append(m)
+            else:
+                merged = result
+                rest.extend(merged.pop("allOf", []))  # a member's own unmerged members
+        if merged is False:
+            return False
+        if rest:
+            merged["allOf"] = rest
+        return merged
+
+    def merge(self, a: dict[str, Any], b: dict[str, Any], depth: int) -> Any:
+        """``a`` and ``b`` as one schema object, or None if that cannot be exact."""
+        if any(k in b for k in _NO_MERGE) or any(
+            k in a for k in _NO_MERGE - {"$defs", "definitions", "$schema", "$id"}
+        ):
+            return None
+        for group in _ONE_SIDE:
+            if group & a.keys() and group & b.keys():
+                return None
+        out = dict(a)
+        obj_keys = {"properties", "additionalProperties", "patternProperties"}
+        if obj_keys & a.keys() and obj_keys & b.keys():
+            objects = self._merge_objects(a, b, depth)
+            if objects is None:
+                return None
+            out.update(objects)
+        else:
+            out.update({k: b[k] for k in obj_keys & b.keys()})
+        arr_keys = {"items", "prefixItems"}
+        if arr_keys & a.keys() and arr_keys & b.keys():
+            if "prefixItems" in a or "prefixItems" in b:
+                if any(not json_equal(a.get(k), b.get(k)) for k in arr_keys):
+                    return None
+            elif isinstance(a["items"], list) or isinstance(b["items"], list):
+                return None
+            else:
+                out["items"] = self.conj([a["items"], b["items"]], depth)
+        else:
+            out.update({k: b[k] for k in arr_keys & b.keys()})
+        for key, value in b.items():
+            if key in obj_keys or key in arr_keys:
+                continue
+            if key not in a or key in _ANNOTATIONS:
+                out.setdefault(key, value)
+                continue
+            mine = a[key]
+            if key == "type":
+                types = _intersect_types(mine, value)
+                if not types:
+                    return None
+                out["type"] = types[0] if len(types) == 1 else types
+            elif key in _MIN and _number(mine) and _number(value):
+                out[key] = max(mine, value)
+            elif key in _MAX and _number(mine) and _number(value):
+                out[key] = min(mine, value)
+            elif key == "required" and isinstance(mine, list) and isinstance(value, list):
+                out[key] = list(dict.fromkeys([*mine, *value]))
+            elif key == "enum" and isinstance(mine, list) and isinstance(value, list):
+                both = [x for x in mine if any(json_equal(x, y) for y in value)]
+                if not both:
+                    return None
+                out[key] = both
+            elif key == "uniqueItems":
+                out[key] = bool(mine) or bool(value)
+            elif key == "dependentRequired" and isinstance(mine, dict) and isinstance(value, dict):
+                out[key] = {
+                    k: list(dict.fromkeys([*mine.get(k, []), *value.get(k, [])]))
+                    for k in dict.fromkeys([*mine, *value])
+                }
+            elif not json_equal(mine, value):
+                return None
+        return out
+
+    def _merge_objects(
+        self, a: dict[str, Any], b: dict[str, Any], depth: int
+    ) -> dict[str, Any] | None:
+        """Per property: the conjunction of what each side applies to it (its ``properties``
+        entry, else its ``additionalProperties``)."""
+        if "patternProperties" in a or "patternProperties" in b:
+            return None
+        pa, pb = a.get("properties", {}), b.get("properties", {})
+        if not isinstance(pa, dict) or not isinstance(pb, dict):
+            return None
+
+        def applied(side: dict[str, Any], props: dict[str, Any], name: str) -> Any:
+            if name in props:
+                return props[name]
+            return side.get("additionalProperties", True)
+
+        props = {
+            name: self.conj([applied(a, pa, name), applied(b, pb, name)], depth)
+            for name in dict.fromkeys([*pa, *pb])
+        }
+        out: dict[str, Any] = {"properties": props}
+        extra = [s["additionalProperties"] for s in (a, b) if "additionalProperties" in s]
+        if extra:
+            out["additionalProperties"] = self.conj(extra, depth)
+        return out
+
+    # ---- rewrites ------------------------------------------------------------------------------
+
+    def _items_array(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
+        if "prefixItems" in self.draft.keywords:
+            if "additionalItems" in s:  # not a keyword of this draft: the validator ignores it
+                s = {k: v for k, v in s.items() if k != "additionalItems"}
+            return s
+        items = s.get("items")
+        if not isinstance(items, list):
+            return {k: v for k, v in s.items() if k != "additionalItems"}
+        out = {k: v for k, v in s.items() if k not in ("items", "additionalItems")}
+        out["prefixItems"] = items
+        if "additionalItems" in s and s["additionalItems"] is not True:
+            out["items"] = s["additionalItems"]
+        return out
+
+    def _declare_required(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
+        required = s.get("required")
+        props = s.get("properties", {})
+        if not isinstance(required, list) or not isinstance(props, dict):
+            return s
+        missing = [n for n in required if isinstance(n, str) and n not in props]
+        extra = s.get("additionalProperties", True)
+        if not missing or "patternProperties" in s or extra is False:
+            return s
+        return {**s, "properties": {**props, **{n: extra if extra is not True else {}
+                                                for n in missing}}}  # fmt: skip
+
+    def _unique_items(self, s: dict[str, Any], depth: int) -> Any:
+        if s.get("uniqueItems") is not True or s.get("type") != "array":
+            return s
+        if any(k not in ("type", "items", "minItems", "maxItems", "uniqueItems")
+               and k not in _ANNOTATIONS for k in s):  # fmt: skip
+            return s
+        values = _finite_values(s.get("items"))
+        if values is None or len(values) > _MAX_UNIQUE_VALUES:
+            return s
+        validator = self.draft.cls(s)
+        arrays = [
+            list(p)
+            for n in range(len(values) + 1)
+            for p in itertools.permutations(values, n)
+            if validator.is_valid(list(p))
+        ]
+        if len(arrays) > _MAX_UNIQUE_ARRAYS:
+            return s
+        if not arrays:
+            return False
+        return {**{k: v for k, v in s.items() if k in _ANNOTATIONS}, "enum": arrays}
+
+    def _branches(self, s: dict[str, Any], cases: list[list[Any]], depth: int) -> Any:
+        """``s`` (without the rewritten keywords) as an ``anyOf`` of ``s`` merged with each case's
+        schemas; None if a merge is not exact."""
+        host = {k: v for k, v in s.items() if k in _HOST}
+        body = {k: v for k, v in s.items() if k not in _HOST}
+        branches = []
+        for case in cases:
+            b = self.conj([body, *case], depth)
+            if isinstance(b, dict) and "allOf" in b:
+                return None
+            if b is not False and not _required_and_forbidden(b):
+                branches.append(b)
+        if not branches:
+            return False
+        if len(branches) == 1:
+            return {**host, **branches[0]} if isinstance(branches[0], dict) else branches[0]
+        return {**host, "anyOf": branches}
+
+    def _if_then_else(self, s: dict[str, Any], depth: int) -> Any:
+        if "if" not in s or "if" not in self.draft.keywords:
+            return s
+        cond, then, other = s["if"], s.get("then", True), s.get("else", True)
+        body = {k: v for k, v in s.items() if k not in ("if", "then", "else")}
+        if then is True and other is True:
+            return body
+        if cond is True or cond is False:
+            return self.conj([body, then if cond else other], depth)
+        if not isinstance(cond, dict) or s.get("type") != "object":
+            return s
+        keys = {k for k in cond if k not in _ANNOTATIONS}
+        cprops = cond.get("properties", {})
+        if not isinstance(cprops, dict):
+            return s
+        cprops = {k: v for k, v in cprops.items() if v is not True and v != {}}
+        if not cprops:
+            keys.discard("properties")
+        required = body.get("required", [])
+        props = body.get("properties", {})
+        creq = cond.get("required")
+        if keys == {"required"} and isinstance(creq, list) and len(creq) == 1:
+            name = creq[0]
+            cases = [[{"required": [name]}, then], [{"properties": {name: False}}, other]]
+        elif keys <= {"properties", "required", "type"} and cond.get("type", "object") == "object":
+            if len(cprops) != 1:
+                return s
+            ((name, cschema),) = cprops.items()
+            if creq not in (None, [name]) or name not in required:
+                return s
+            wanted = _finite_values(cschema)
+            known = _finite_values(props.get(name)) if isinstance(props, dict) else None
+            if wanted is None or known is None:
+                return s
+            yes = [v for v in known if any(json_equal(v, w) for w in wanted)]
+            no = [v for v in known if not any(json_equal(v, w) for w in wanted)]
+            cases = [
+                [{"properties": {name: {"enum": vals}}}, branch]
+                for vals, branch in ((yes, then), (no, other))
+                if vals
+            ]
+        else:
+            return s
+        out = self._branches(body, cases, depth)
+        return s if out is None else out
+
+    @staticmethod
+    def _boolean_bounds(s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """Draft-04 ``exclusiveMinimum: true`` (a flag on ``minimum``) -> the numeric form."""
+        out = s
+        for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(out.get(flag), bool):
+                out = dict(out)
+                if out.pop(flag) and _number(out.get(bound)):
+                    out[flag] = out.pop(bound)
+        return out
+
+    def _ref_siblings(self, s: dict[str, Any], depth: int) -> Any:
+        """``$ref`` with sibling keywords: before 2019-09 the siblings do not apply (dropped);
+        later they do (the target inlined and merged with them, when that is exact)."""
+        siblings = [k for k in s if k in VALIDATION_KEYWORDS and k != "$ref"]
+        if not siblings:
+            return s
+        if self.draft.ref_alone:
+            return {k: v for k, v in s.items() if k not in VALIDATION_KEYWORDS or k == "$ref"}
+        target = self.inline({"$ref": s["$ref"]}, depth)
+        if not isinstance(target, dict) or "$ref" in target:
+            return s
+        host = {k: v for k, v in s.items() if k in _HOST}
+        rest = {k: v for k, v in s.items() if k != "$ref" and k not in _HOST}
+        merged = self.conj([target, rest], depth)
+        if not isinstance(merged, dict) or "allOf" in merged:
+            return s if merged is not False else False
+        return {**host, **merged}
+
+    def _distribute(self, s: dict[str, Any], depth: int) -> Any:
+        """``{S, anyOf/oneOf: [B...]}`` -> ``{anyOf/oneOf: [S and B, ...]}`` (exact; the backends
+        ignore keywords beside a combinator)."""
+        keys = [k for k in ("anyOf", "oneOf") if isinstance(s.get(k), list)]
+        siblings = {k: v for k, v in s.items() if k not in _HOST and k not in keys}
+        if len(keys) != 1 or not siblings or "allOf" in s or "$ref" in s:
+            return s
+        if not any(k in VALIDATION_KEYWORDS for k in siblings):
+            return s
+        key = keys[0]
+        size = len(json.dumps(siblings)) * len(s[key])
+        if self._size + size > _MAX_DISTRIBUTED_BYTES:
+            return s
+        branches = []
+        for b in s[key]:
+            merged = self.conj([siblings, self.inline(b, depth)], depth)
+            if isinstance(merged, dict) and "allOf" in merged:
+                return s
+            branches.append(merged)
+        self._size += size
+        branches = [b for b in branches if b is not False]  # never matches: no effect
+        if not branches:
+            return False
+        host = {k: v for k, v in s.items() if k in _HOST}
+        return {**host, key: branches}
+
+    def _finite(self, s: dict[str, Any], depth: int) -> Any:
+        """``const`` / ``enum`` with other validation keywords -> the ``enum`` of the values
+        that the whole schema accepts (the backends ignore keywords beside them)."""
+        values = s["enum"] if isinstance(s.get("enum"), list) else None
+        if "const" in s:
+            values = [s["const"]]
+        others = [k for k in s if k in VALIDATION_KEYWORDS and k not in ("enum", "const")]
+        if values is None or not others:
+            return s
+        try:
+            check = self.draft.validator.evolve(schema=s)
+            kept = [v for v in values if check.is_valid(v)]
+        except Exception:  # an unresolvable reference: leave it to strict mode
+            return s
+        kept = [v for i, v in enumerate(kept) if not any(json_equal(v, w) for w in kept[:i])]
+        if not kept:
+            return False
+        rest = {k: v for k, v in s.items() if k not in VALIDATION_KEYWORDS and k != "const"}
+        return {**rest, "enum": kept}
+
+    def _dependencies(self, s: dict[str, Any], depth: int) -> Any:
+        deps: list[tuple[str, Any]] = []  # (trigger, dependent schema)
+        rest = dict(s)
+        for key in ("dependentRequired", "dependentSchemas", "dependencies"):
+            value = s.get(key)
+            if key not in self.draft.keywords or not isinstance(value, dict):
+                continue
+            for name, dep in value.items():
+                deps.append((name, {"required": dep} if isinstance(dep, list) else dep))
+            del rest[key]
+        if not deps:
+            return s
+        required = rest.get("required", []) if isinstance(rest.get("required"), list) else []
+        always = [(n, d) for n, d in deps if n in required]
+        optional = [(n, d) for n, d in deps if n not in required]
+        if len(optional) > _MAX_DEPENDENCIES:
+            return s
+        cases = []
+        for present in itertools.product((True, False), repeat=len(optional)):
+            case = [d for _, d in always]
+            for (name, dep), here in zip(optional, present, strict=True):
+                case += [{"required": [name]}, dep] if here else [{"properties": {name: False}}]
+            cases.append(case)
+        out = self._branches(rest, cases, depth)
+        return s if out is None else out
+
+
+def _required_and_forbidden(s: Any) -> bool:
+    """A schema object requiring a property whose schema is ``false`` (matches no object)."""
+    if not isinstance(s, dict) or s.get("type") != "object":
+        return False
+    props = s.get("properties", {})
+    required = s.get("required", [])
+    return (
+        isinstance(props, dict)
+        and isinstance(required, list)
+        and any(props.get(n) is False for n in required)
+    )
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _intersect_types(a: Any, b: Any) -> list[str]:
+    ta = [a] if isinstance(a, str) else list(a) if isinstance(a, list) else []
+    tb = [b] if isinstance(b, str) else list(b) if isinstance(b, list) else []
+    out = [t for t in ta if t in tb or (t == "integer" and "number" in tb)]
+    out += [t for t in tb if t == "integer" and "number" in ta and t not in out]
+    return out
+
+
+def _finite_values(s: Any) -> list[Any] | None:
+    """The values a schema allows, when it is a plain ``const`` / ``enum`` / boolean type."""
+    if not isinstance(s, dict):
+        return None
+    keys = {k for k in s if k not in _ANNOTATIONS}
+    if keys == {"const"} or keys == {"const", "type"} and _type_ok(s, [s["const"]]):
+        return [s["const"]]
+    if (keys == {"enum"} or keys == {"enum", "type"}) and isinstance(s["enum"], list):
+        vals = [v for i, v in enumerate(s["enum"]) if not any(
+            json_equal(v, w) for w in s["enum"][:i])]  # fmt: skip
+        return vals if keys == {"enum"} or _type_ok(s, vals) else None
+    if keys == {"type"} and s["type"] == "boolean":
+        return [True, False]
+    return None
+
+
+def _type_ok(s: dict[str, Any], values: list[Any]) -> bool:
+    """Every value has the schema's (single) type, so ``type`` removes none of them."""
+    from radixlm.runtime.grammar.disjoint import _value_type
+
+    t = s.get("type")
+    return isinstance(t, str) and all(
+        _value_type(v) == t
+        or (t == "integer" and _number(v) and float(v).is_integer())
+        or (t == "number" and _value_type(v) == "number")
+        for v in values
+    )
+
+
+def lower_for_backends(schema: Any, depth: int = 0) -> Any:
+    """Drop ``properties`` entries that are ``false`` where the property cannot be generated
+    anyway (no ``additionalProperties`` / ``patternProperties`` admitting it: the backends
+    generate declared properties only). A ``false`` entry that is also required makes the
+    object unsatisfiable: it is kept (the backend then refuses the schema)."""
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+        return schema
+    out = map_subschemas(schema, lambda v: lower_for_backends(v, depth + 1))
+    props = out.get("properties")
+    if (
+        isinstance(props, dict)
+        and "patternProperties" not in out
+        and out.get("additionalProperties", False) is False
+    ):
+        required = out.get("required", [])
+        kept = {k: v for k, v in props.items() if v is not False or k in required}
+        if len(kept) < len(props):
+            out["properties"] = kept
+            if not kept:  # no declared property left: say "none" (over-strict at worst)
+                out["additionalProperties"] = False
+    return out

@@ -1,0 +1,301 @@
+"""Schema normalization: each rewrite keeps the set of valid instances (checked with
+``jsonschema`` on the original and the rewritten schema), turns a schema strict mode refused
+into one it accepts, and the compiled grammar accepts exactly the valid instances listed.
+Also the ``oneOf`` disjointness prover."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
+
+from radixlm.runtime.grammar import Constraint, GrammarBackend, GrammarError, get_backend
+from radixlm.runtime.grammar.disjoint import DisjointChecker
+from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
+from radixlm.runtime.grammar.strict import (
+    OUTLINES_SUPPORT,
+    XGRAMMAR_SUPPORT,
+    find_unsupported,
+    prepared_schema_text,
+)
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+OBJ = {"type": "object"}
+
+# name -> (schema, instances; each written in the schema's property order)
+CASES: dict[str, tuple[dict[str, Any], list[Any]]] = {
+    "allOf merged": (
+        {
+            "allOf": [
+                {**OBJ, "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]},
+                {"properties": {"a": {"maximum": 10}, "b": {"type": "string"}},
+                 "additionalProperties": False},
+            ]
+        },
+        [{"a": 5}, {"a": 5, "b": "x"}, {"a": 11}, {"a": -1}, {}, {"a": 1, "c": 1}, {"b": "x"}],
+    ),
+    "allOf with a $ref inlined": (
+        {
+            "$defs": {"base": {**OBJ, "properties": {"id": {"type": "integer"}},
+                               "required": ["id"]}},
+            "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"name": {"type": "string"}}}],
+        },
+        [{"id": 1}, {"id": 1, "name": "x"}, {"name": "x"}, {"id": "x"}],
+    ),
+    "dependentRequired": (
+        {
+            **OBJ,
+            "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
+            "dependentRequired": {"card": ["billing"]},
+        },
+        [{}, {"card": "1"}, {"card": "1", "billing": "x"}, {"billing": "x"}],
+    ),
+    "draft-07 dependencies": (
+        {
+            "$schema": DRAFT7,
+            **OBJ,
+            "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
+            "dependencies": {"card": ["billing"], "billing": {"required": ["card"]}},
+        },
+        [{}, {"card": "1"}, {"card": "1", "billing": "x"}, {"billing": "x"}],
+    ),
+    "if/then/else on an enum property": (
+        {
+            **OBJ,
+            "properties": {
+                "kind": {"enum": ["a", "b", "c"]},
+                "x": {"type": "integer"},
+                "y": {"type": "string"},
+            },
+            "required": ["kind"],
+            "if": {"properties": {"kind": {"const": "a"}}},
+            "then": {"required": ["x"]},
+            "else": {"required": ["y"]},
+        },
+        [{"kind": "a", "x": 1}, {"kind": "a"}, {"kind": "b", "y": "s"}, {"kind": "b", "x": 1},
+         {"kind": "c", "x": 1, "y": "s"}, {"kind": "d", "y": "s"}],
+    ),
+    "if on a required property": (
+        {
+            **OBJ,
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"required": ["a"]},
+            "then": {"required": ["b"]},
+        },
+        [{}, {"a": 1}, {"a": 1, "b": 2}, {"b": 2}],
+    ),
+    "uniqueItems over a finite set": (
+        {"type": "array", "items": {"enum": ["r", "g", "b"]}, "uniqueItems": True, "maxItems": 2},
+        [[], ["r"], ["r", "g"], ["g", "r"], ["r", "r"], ["r", "g", "b"], ["x"]],
+    ),
+    "draft-07 items array and additionalItems": (
+        {
+            "$schema": DRAFT7,
+            "type": "array",
+            "items": [{"type": "integer"}, {"type": "string"}],
+            "additionalItems": False,
+        },
+        [[1, "a"], [1], [1, "a", 2], ["a"]],
+    ),
+    "required but undeclared": (
+        {
+            **OBJ,
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": {"type": "string"},
+        },
+        [{"a": 1, "b": "x"}, {"a": 1}, {"a": 1, "b": 2}],
+    ),
+    "enum with type": (
+        {"type": "string", "enum": ["a", 1, "b"]},
+        ["a", 1, "b", "c"],
+    ),
+    "anyOf with sibling keywords": (
+        {
+            **OBJ,
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "additionalProperties": False,
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        },
+        [{}, {"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"c": 1}],
+    ),
+    "oneOf with a discriminator": (
+        {
+            "oneOf": [
+                {**OBJ, "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                 "required": ["kind", "r"], "additionalProperties": False},
+                {**OBJ, "properties": {"kind": {"const": "square"}, "side": {"type": "number"}},
+                 "required": ["kind", "side"], "additionalProperties": False},
+            ]
+        },
+        [{"kind": "circle", "r": 1}, {"kind": "square", "side": 2}, {"kind": "circle", "side": 2}],
+    ),
+}  # fmt: skip
+# outlines generates exactly the prefixItems (no shorter arrays): over-strict, never invalid.
+OVER_STRICT = {("outlines", "draft-07 items array and additionalItems")}
+# Cases whose original form strict mode accepted before (no normalization needed).
+ALREADY_ACCEPTED = {"oneOf with a discriminator"}
+
+
+def _valid(schema: Any, instance: Any) -> bool:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return bool(cls(schema).is_valid(instance))
+
+
+def _valid_normalized(schema: Any, instance: Any) -> bool:
+    """The normalized form writes array tuples as 2020-12 does (``prefixItems`` / ``items``)."""
+    if isinstance(schema, dict) and "prefixItems" in schema and schema.get("$schema") == DRAFT7:
+        schema = {k: v for k, v in schema.items() if k != "$schema"}
+    return _valid(schema, instance)
+
+
+@pytest.fixture(scope="module")
+def byte_backends() -> dict[str, GrammarBackend]:
+    return {name: get_backend(name)(BYTE_VOCAB) for name in BACKENDS}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rewrite_is_exact_and_enforced(name: str, byte_backends: dict[str, GrammarBackend]) -> None:
+    schema, instances = CASES[name]
+    normalized = normalize_schema(schema)
+    lowered = json.loads(prepared_schema_text(json.dumps(schema)))
+    assert lowered == lower_for_backends(normalized)
+    for instance in instances:
+        assert _valid(schema, instance) == _valid_normalized(normalized, instance), instance
+    if name not in ALREADY_ACCEPTED:
+        assert find_unsupported(schema, XGRAMMAR_SUPPORT), "the original was refused before"
+    assert find_unsupported(lowered, XGRAMMAR_SUPPORT) == []
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    for backend_name, backend in byte_backends.items():
+        support = {"xgrammar": XGRAMMAR_SUPPORT, "outlines": OUTLINES_SUPPORT}[backend_name]
+        if find_unsupported(lowered, support):
+            with pytest.raises(GrammarError):
+                backend.validate(c)
+            continue
+        compiled = backend.compile(c)
+        for instance in instances:
+            text = json.dumps(instance, separators=(",", ":"))
+            accepted = grammar_accepts(compiled.new_matcher(), text)
+            valid = _valid(schema, instance)
+            assert valid or not accepted, (backend_name, instance)  # never invalid
+            if (backend_name, name) not in OVER_STRICT:
+                assert accepted == valid, (backend_name, instance)
+
+
+def test_one_of_overlap_from_the_issue_is_refused(byte_backends: dict[str, Any]) -> None:
+    schema = {**OBJ, "properties": {"os": {"oneOf": [{"type": "string"}, {"enum": ["linux"]}]}}}
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    for backend in byte_backends.values():
+        with pytest.raises(GrammarError, match=r"oneOf \(branches not provably disjoint\)"):
+            backend.validate(c)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "disjoint"),
+    [
+        ({"type": "string"}, {"type": "integer"}, True),
+        ({"type": "number"}, {"type": "integer"}, False),
+        ({"type": "string"}, {"enum": ["linux"]}, False),
+        ({"type": "string"}, {"enum": [1, None]}, True),
+        ({"const": 1}, {"const": 1.0}, False),
+        ({"const": True}, {"const": 1}, True),
+        ({"type": "integer", "maximum": 3}, {"type": "integer", "minimum": 4}, True),
+        ({"type": "integer", "maximum": 3}, {"type": "number", "minimum": 3}, False),
+        ({"type": "number", "exclusiveMaximum": 3}, {"type": "number", "minimum": 3}, True),
+        (
+            {**OBJ, "properties": {"k": {"const": "a"}}, "required": ["k"]},
+            {**OBJ, "properties": {"k": {"const": "b"}}, "required": ["k"]},
+            True,
+        ),
+        (  # "k" is not required: {} matches both
+            {**OBJ, "properties": {"k": {"const": "a"}}},
+            {**OBJ, "properties": {"k": {"const": "b"}}},
+            False,
+        ),
+        (
+            {**OBJ, "properties": {"a": {}}, "required": ["a"], "additionalProperties": False},
+            {**OBJ, "properties": {"b": {}}, "required": ["b"], "additionalProperties": False},
+            True,
+        ),
+        (  # no type: non-objects match both
+            {"properties": {"k": {"const": "a"}}, "required": ["k"]},
+            {"properties": {"k": {"const": "b"}}, "required": ["k"]},
+            False,
+        ),
+        ({"anyOf": [{"type": "string"}, {"type": "null"}]}, {"type": "integer"}, True),
+        ({"allOf": [{"type": "string"}]}, {"type": "integer"}, True),
+    ],
+)
+def test_disjointness_prover(a: Any, b: Any, disjoint: bool) -> None:
+    checker = DisjointChecker({})
+    assert checker.disjoint(a, b) == disjoint
+    assert checker.disjoint(b, a) == disjoint
+
+
+def test_draft7_ref_hides_siblings_in_the_prover() -> None:
+    defs = {"definitions": {"s": {"type": "string"}}}
+    ref_and_type = {"$ref": "#/definitions/s", "type": "integer"}
+    # Draft 7 ignores "type" beside "$ref": the schema accepts every string.
+    draft7 = DisjointChecker({"$schema": DRAFT7, **defs})
+    assert not draft7.disjoint(ref_and_type, {"type": "string"})
+    # 2020-12 applies both: nothing is a string and an integer.
+    assert DisjointChecker(defs).disjoint(ref_and_type, {"type": "string"})
+
+
+# (backend, schema, refusal named, an invalid instance the best-effort grammar accepts): each
+# refusal is warranted, the backend really ignores the keyword there.
+SILENT_IGNORES = [
+    ("xgrammar", {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
+     "minLength (with pattern)", "ab"),
+    ("xgrammar", {"type": "string", "format": "date", "maxLength": 5},
+     "maxLength (with format)", "2024-01-01"),
+    ("xgrammar", {"type": "integer", "multipleOf": 3, "minimum": 1},
+     "multipleOf (with minimum)", 4),
+    ("xgrammar", {"type": "integer", "multipleOf": 1.5}, "multipleOf (not an integer)", 1),
+    ("xgrammar", {"type": "string", "pattern": "^(?!a)[a-z]$"},
+     "pattern: '^(?!a)[a-z]$' (lookaround unsupported)", "a"),
+    ("outlines", {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
+     "pattern (with minLength)", "ABC"),
+    ("xgrammar", {"type": "string", "allOf": [{"pattern": "^a$"}, {"pattern": "^b$"}]},
+     "allOf (with sibling keywords)", "b"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("backend", "schema", "named", "invalid"), SILENT_IGNORES)
+def test_silently_ignored_keywords_are_refused(
+    backend: str, schema: Any, named: str, invalid: Any, byte_backends: dict[str, Any]
+) -> None:
+    assert not _valid(schema, invalid)
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    with pytest.raises(GrammarError) as err:
+        byte_backends[backend].validate(c)
+    assert named in str(err.value)
+    lenient = Constraint.from_params(json_schema=schema, best_effort=True)
+    assert lenient is not None
+    compiled = byte_backends[backend].compile(lenient)
+    assert grammar_accepts(compiled.new_matcher(), json.dumps(invalid, separators=(",", ":")))
+
+
+def test_ref_siblings_and_draft4_bounds() -> None:
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    old = {
+        "$schema": draft4,
+        "definitions": {"s": {"type": "string"}},
+        "type": "object",
+        "properties": {"x": {"$ref": "#/definitions/s", "maxLength": 3}},
+        "additionalProperties": False,
+    }
+    # Before 2019-09 "maxLength" beside "$ref" does not apply: dropped.
+    assert normalize_schema(old)["properties"]["x"] == {"$ref": "#/definitions/s"}
+    assert _valid(old, {"x": "long string"})
+    new = {"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 3}
+    assert normalize_schema(new) == {"$defs": {"s": {"type": "string"}}, "type": "string",
+                                     "maxLength": 3}  # fmt: skip
+    bound = {"$schema": draft4, "type": "integer", "minimum": 5, "exclusiveMinimum": True}
+    assert normalize_schema(bound) == {"$schema": draft4, "type": "integer", "exclusiveMinimum": 5}
