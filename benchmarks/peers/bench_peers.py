@@ -96,9 +96,10 @@ def text_of_tokens(
     n_tokens: int, words: Sequence[str], rng: random.Random, count: Callable[[str], int]
 ) -> str:
     """Random words whose text is the longest prefix of a random word sequence with at most
-    `n_tokens` tokens by `count` (each word is >= 1 token, so `n_tokens` words always suffice)."""
+    `n_tokens` tokens by `count` (monotone in the prefix; a word is >= 1 token, so `n_tokens`
+    words always suffice). Empty only when the first word alone is over budget."""
     seq = [rng.choice(words) for _ in range(n_tokens)]
-    lo, hi = 1, len(seq)  # invariant: count(seq[:lo]) <= n_tokens (one word is one token)
+    lo, hi = 0, len(seq)  # invariant: count(seq[:lo]) <= n_tokens
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if count(" ".join(seq[:mid])) <= n_tokens:
@@ -482,6 +483,10 @@ def _run_ok(cmd: list[str]) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _loadavg() -> list[float]:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else []
 
@@ -516,6 +521,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM (and SIGINT, ignored in background jobs) unwind through `running_server`'s
+    # cleanup, so a stopped benchmark leaves no server behind
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
     from transformers import AutoTokenizer
 
     from radixlm.runtime.models.loader import cache_dir, default_gguf_path, resolve_model_path
