@@ -175,3 +175,18 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     path = tmp_path / "peers.png"
     bp.plot(results, path, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stop_group_kills_the_leader_and_its_children() -> None:
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    try:
+        bp._stop_group(proc)
+        assert proc.poll() is not None
+        with pytest.raises(ProcessLookupError):
+            os.killpg(proc.pid, 0)  # no process of the group is left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
