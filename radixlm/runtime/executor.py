@@ -199,8 +199,8 @@ class Executor:
         info = SamplingBatchInfo.build(
             params,
             [r.generator for r in reqs],
-            [r.prompt_token_ids if needs_hist else () for r in reqs],
-            [r.output_token_ids if needs_hist else () for r in reqs],
+            [r.prompt_token_set if needs_hist else () for r in reqs],
+            [r.output_counts if needs_hist else () for r in reqs],
             self.vocab_size,
             logits.device,
             suppress_token_ids=suppress,

@@ -137,6 +137,7 @@ class OutputProcessor:
         `grammar_stop`: the grammar is complete after this token (finish "stop", before any
         length limit)."""
         req.token_ids.append(tok)
+        req.output_counts[tok] += 1
         self.num_output_tokens += 1
         if req.first_token_time is None:
             req.first_token_time = now

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ class Request:
     admitted_once: bool = False
     num_retractions: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Occurrences of each token in the output, kept by the output processor as tokens are
+    # appended (penalties read it instead of recounting the whole output every step).
+    output_counts: Counter[int] = field(default_factory=Counter, repr=False)
     generator: torch.Generator | None = None
     detokenizer: Any = None
     # n > 1: branches still to fork from this request once its prompt is computed.
@@ -97,6 +101,7 @@ class Request:
     grammar_future: Future[CompiledGrammar] | None = field(default=None, repr=False)
     grammar: GrammarMatcher | None = field(default=None, repr=False)
     _prompt_page_hashes: list[int] | None = field(default=None, repr=False)
+    _prompt_token_set: frozenset[int] | None = field(default=None, repr=False)
     # logprob_start_len >= 0: entry j is the logprob of prompt token (start + j); None for
     # position 0 (nothing predicts it).
     prompt_logprobs: list[float | None] | None = None
@@ -123,6 +128,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_set(self) -> frozenset[int]:
+        """The distinct prompt tokens (computed once; repetition penalty)."""
+        if self._prompt_token_set is None:
+            self._prompt_token_set = frozenset(self.prompt_token_ids)
+        return self._prompt_token_set
 
     @property
     def num_uncomputed(self) -> int:

@@ -114,7 +114,9 @@ class SamplingBatchInfo:
     ) -> SamplingBatchInfo:
         """Build the batch state. ``suppress_token_ids[i]`` are banned for row ``i`` this step
         (see ``min_tokens_suppress_ids``). ``prompt_ids`` / ``output_ids`` are only read for
-        rows that need penalties. ``vocab_size`` is the logits width."""
+        rows that need penalties; the engine passes the request's prompt token set and output
+        ``Counter`` (kept incrementally), so a step never recounts a whole output.
+        ``vocab_size`` is the logits width."""
         batch = len(params)
         if not (len(generators) == len(prompt_ids) == len(output_ids) == batch):
             raise ValueError("params, generators, prompt_ids and output_ids must have equal length")
@@ -164,8 +166,9 @@ class SamplingBatchInfo:
         for i, p in enumerate(params):
             if not p.needs_penalties:
                 continue
-            out = Counter(output_ids[i])
-            prompt_only = set(prompt_ids[i]).difference(out)
+            ids = output_ids[i]
+            out = ids if isinstance(ids, Counter) else Counter(ids)
+            prompt_only = frozenset(prompt_ids[i]).difference(out)
             rows.extend([i] * (len(out) + len(prompt_only)))
             tokens.extend(out.keys())
             tokens.extend(prompt_only)
