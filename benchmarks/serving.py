@@ -110,11 +110,24 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    return await stream_request(client, "/v1/chat/completions", body)
+
+
+async def stream_request(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> RequestResult:
+    """POST a streaming OpenAI request (`/v1/completions` or `/v1/chat/completions`) and time it.
+
+    A chunk carries a token when its choice has non-empty `text` (completions) or
+    `delta.content` (chat). Output tokens come from the final `usage` chunk; a server that sends
+    none is counted by content chunks (one token per chunk).
+    """
     t0 = time.perf_counter()
     first = last = 0.0
+    chunks = 0
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 return RequestResult(ok=False, error=(await r.aread()).decode()[:200])
             async for line in r.aiter_lines():
@@ -122,18 +135,21 @@ async def one_request(
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return RequestResult(ok=False, error=chunk["error"]["message"])
+                    err = chunk["error"]
+                    msg = err.get("message", err) if isinstance(err, dict) else err
+                    return RequestResult(ok=False, error=str(msg)[:200])
                 if chunk.get("usage"):
                     usage = chunk["usage"]
-                for c in chunk.get("choices", []):
-                    if c["delta"].get("content"):
+                for c in chunk.get("choices") or []:
+                    if c.get("text") or (c.get("delta") or {}).get("content"):
                         now = time.perf_counter()
                         first = first or now
                         last = now
+                        chunks += 1
     except httpx.HTTPError as exc:
         return RequestResult(ok=False, error=repr(exc))
     end = time.perf_counter()
-    tokens = usage.get("completion_tokens", 0)
+    tokens = usage.get("completion_tokens") or chunks
     return RequestResult(
         ok=True,
         ttft=(first or end) - t0,

