@@ -67,6 +67,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda if available, else cpu
     attention_backend: str = "auto"
+    # CPU matmuls: "auto" computes in float32 where the CPU has no native bf16 (the KV cache keeps
+    # `dtype`), "model" always in `dtype`, "float32" always in float32.
+    matmul_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's choice
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step

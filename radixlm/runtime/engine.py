@@ -113,7 +113,9 @@ class Engine:
 
         max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
         if cfg.tp_size == 1:
-            return ModelRunner(*args, max_len, model_info=self.model_info)
+            return ModelRunner(
+                *args, max_len, model_info=self.model_info, matmul_dtype=cfg.matmul_dtype
+            )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
 

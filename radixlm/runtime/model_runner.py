@@ -53,13 +53,17 @@ class ModelRunner:
         max_model_len: int | None = None,
         model_info: ModelInfo | None = None,
         tp: TensorParallelGroup | None = None,
+        matmul_dtype: str = "auto",
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
-        rank's shard (`radixlm.runtime.distributed.sharding`)."""
+        rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
+        `radixlm.runtime.models.cpu_linear` (the KV cache always has `dtype`)."""
+        from radixlm.runtime.models.cpu_linear import add_lowp_copies, compute_dtype
         from radixlm.runtime.models.loader import iter_safetensors, load_model_info
 
         self.device = device
-        self.dtype = DTYPES[dtype]
+        self.dtype = DTYPES[dtype]  # the KV cache's (and, unless overridden, the compute's)
+        self.compute_dtype = compute_dtype(self.dtype, device, matmul_dtype)
         info = model_info or load_model_info(model_dir)
         hf_config = info.hf_config
         arch = info.architecture
@@ -86,9 +90,20 @@ class ModelRunner:
             if model_config is not hf_config:
                 sharding.parallelize(model, tp)
         model.to_empty(device=device)
-        model.to(self.dtype)
+        model.to(self.compute_dtype)
         model.tie_weights()
         model.load_weights(weights)
+        if self.compute_dtype != self.dtype:
+            n = add_lowp_copies(model, self.dtype)
+            logger.info(
+                "this CPU has no native %s matmul: weights compute in %s (%d linears keep a %s "
+                "copy for 1-2 row inputs); KV cache in %s",
+                self.dtype,
+                self.compute_dtype,
+                n,
+                self.dtype,
+                self.dtype,
+            )
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()
