@@ -379,7 +379,9 @@ def radixlm_spec(port: int, model_dir: Path, threads: int, extra: Sequence[str])
     return ServerSpec("radixlm", cmd, env, 600)
 
 
-def vllm_spec(port: int, venv: Path, model_dir: Path, threads: int) -> ServerSpec:
+def vllm_spec(
+    port: int, venv: Path, model_dir: Path, threads: int, cpu_list: str | None = None
+) -> ServerSpec:
     cmd = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--max-model-len", "4096",
@@ -387,7 +389,7 @@ def vllm_spec(port: int, venv: Path, model_dir: Path, threads: int) -> ServerSpe
     ]  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "4",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list or f"0-{threads - 1}",
         "TOKENIZERS_PARALLELISM": "false",
     }
     return ServerSpec("vllm", cmd, env, 1200)
@@ -504,6 +506,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary: run it")
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per server")
+    p.add_argument(
+        "--cpu-list", default=None, help="pin each server to these CPUs (taskset -c), e.g. 1"
+    )
     p.add_argument("--workloads", default="c1,c8,c32,shared,prefill", help="comma list")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
@@ -562,11 +567,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                 spec = radixlm_spec(port, model_dir, args.threads, extra)
             elif system == "vllm":
                 venv = ensure_vllm_venv(args.vllm_venv)
-                spec = vllm_spec(port, venv, model_dir, args.threads)
+                spec = vllm_spec(port, venv, model_dir, args.threads, args.cpu_list)
             else:
                 conc = max(w.concurrency for w in workloads)
                 gguf = default_gguf_path()
                 spec = llamacpp_spec(port, args.llama_server, gguf, args.threads, conc)
+            if args.cpu_list:
+                # Pin the server (and its children) to these CPUs, e.g. the core a concurrent
+                # job does not use; vLLM binds its OpenMP threads to the same list.
+                spec.cmd[:0] = ["taskset", "-c", args.cpu_list]
             print(f"\n== {system}: {shlex.join(spec.cmd)}", flush=True)
             with running_server(spec, port, logs / f"{system}.log") as url:
                 asyncio.run(warm_up(url, warmups))

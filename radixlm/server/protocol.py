@@ -245,6 +245,8 @@ class GenerateReqInput(_Strict):
     # A router (smg) forwards SGLang's full request shape: `model` and these, at defaults.
     model: str | None = None
     no_logs: bool = False
+    return_bytes: Any = False
+    return_entropy: Any = False
     timeout: Timeout | None = None  # deadline in seconds (default: --request-timeout)
     modalities: list[str] | None = None
     # Accepted only at their defaults (see NATIVE_DEFAULT_ONLY).
@@ -316,6 +318,8 @@ NATIVE_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_flat_raw_output_top_logprobs": ((False, None), _FLAT),
     "return_flat_raw_top_logprobs_b64": ((False, None), _FLAT),
     "return_hidden_states": ((False, None), "hidden states are not returned"),
+    "return_bytes": ((False, None), "token bytes are not returned"),
+    "return_entropy": ((False, None), "entropies are not returned"),
     "return_routed_experts": ((False, None), "not a mixture-of-experts server"),
     "routed_experts_start_len": ((0, None), "not a mixture-of-experts server"),
     "return_indexer_topk": ((False, None), "not a sparse-attention server"),
