@@ -32,13 +32,9 @@ from starlette.responses import Response
 import radixlm
 from radixlm.runtime.outputs import EngineStats
 from radixlm.server.errors import OrjsonResponse
-from radixlm.server.serving import EngineClient
+from radixlm.server.serving import engine_client
 
 router = APIRouter()
-
-
-def _client(request: Request) -> EngineClient:
-    return request.app.state.client
 
 
 @dataclass(frozen=True)
@@ -109,7 +105,7 @@ def _meter(request: Request) -> ThroughputMeter:
 
 
 async def _load(request: Request) -> WorkerLoad:
-    engine = _client(request).engine
+    engine = engine_client(request).engine
     # NOTE: stats() takes the engine lock, which a running step holds: off the event loop.
     stats = await run_in_threadpool(engine.stats)
     return worker_load(
@@ -121,7 +117,7 @@ async def _load(request: Request) -> WorkerLoad:
 
 @router.get("/server_info")
 async def server_info(request: Request) -> Response:
-    client = _client(request)
+    client = engine_client(request)
     engine = client.engine
     stats = await run_in_threadpool(engine.stats)
     model_path = str(engine.model_dir)
