@@ -7,7 +7,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no test may reach a model hub
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,20 @@ def _write_tiny_model(
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
     return out_dir
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
+) -> Callable[..., Path]:
+    """Factory: `make_tiny_model(model_type, seed, **config overrides)` saves a random-weight
+    model (the default model's tokenizer, norms randomized) and returns its directory."""
+
+    def make(model_type: str, seed: int, **overrides: Any) -> Path:
+        out = tmp_path_factory.mktemp(f"tiny_{model_type}")
+        return _write_tiny_model(out, default_model_dir, model_type, seed, **overrides)
+
+    return make
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/kernels/bench_extend_attention.py            # needs CUDA
         [--cases 8x0+512,4x0+2048,8x1024+512,1x0+8192] [--q-heads 32] [--kv-heads 8]
-        [--head-dim 128] [--page-size 16] [--dtype bfloat16] [--out PATH.json]
+        [--head-dim 128] [--page-size 16] [--dtype bfloat16] [--configs MxNwWsS,...]
+        [--out PATH.json]
     .venv/bin/python benchmarks/kernels/bench_extend_attention.py --smoke    # CPU, interpreter
 
 A case `BxP+E` is B requests, each with P cached prefix tokens (in pages) and E new tokens. The
@@ -38,6 +39,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma list of kernel configs MxNwWsS (BLOCK_M x BLOCK_N, warps, stages) to time "
+        "instead of the default `extend_blocks` choice, e.g. 64x64w4s1,128x64w8s2",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny case on CPU (interpreter)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -47,6 +54,14 @@ def parse_case(text: str) -> tuple[int, int, int]:
     b, rest = text.split("x")
     prefix, new = rest.split("+")
     return int(b), int(prefix), int(new)
+
+
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    """`MxNwWsS` -> (BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    m, rest = text.split("x")
+    n, rest = rest.split("w")
+    w, s = rest.split("s")
+    return int(m), int(n), int(w), int(s)
 
 
 def bench(fn: Callable[[], object], cuda: bool) -> float:
@@ -153,15 +168,26 @@ def main() -> None:
     if not cuda:
         print("SMOKE RUN on CPU under TRITON_INTERPRET: timings are not GPU figures")
     results: dict = {"device": name, "dtype": args.dtype, "measured_on_gpu": cuda, "cases": []}
-    for case in args.cases.split(","):
-        row = bench_case(case, args, cuda)
-        results["cases"].append(row)
-        ms_t, ms_s = row["triton_ms"], row["sdpa_ms"]
-        print(
-            f"{case:>12}: triton {ms_t:9.3f} ms ({row['triton_tflops']:6.1f} TFLOP/s)   "
-            f"sdpa {ms_s:9.3f} ms ({row['sdpa_tflops']:6.1f} TFLOP/s)   "
-            f"sdpa/triton {ms_s / ms_t:5.2f}x"
-        )
+    configs = [None] if args.configs is None else args.configs.split(",")
+    import radixlm.kernels.extend_attention as ext
+
+    default_blocks = ext.extend_blocks
+    for config in configs:
+        if config is not None:
+            blocks = parse_config(config)
+            ext.extend_blocks = lambda head_dim, c=blocks: c
+            print(f"config {config} (BLOCK_M x BLOCK_N, warps, stages)")
+        for case in args.cases.split(","):
+            row = bench_case(case, args, cuda)
+            row["config"] = config or "default"
+            results["cases"].append(row)
+            ms_t, ms_s = row["triton_ms"], row["sdpa_ms"]
+            print(
+                f"{case:>12}: triton {ms_t:9.3f} ms ({row['triton_tflops']:6.1f} TFLOP/s)   "
+                f"sdpa {ms_s:9.3f} ms ({row['sdpa_tflops']:6.1f} TFLOP/s)   "
+                f"sdpa/triton {ms_s / ms_t:5.2f}x"
+            )
+        ext.extend_blocks = default_blocks
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2))

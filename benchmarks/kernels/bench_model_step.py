@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kernels/bench_model_step.py                  # needs CUDA
         [--batch 32] [--context 2048] [--layers 32] [--page-size 16] [--dtype bfloat16]
-        [--backends triton,torch] [--iters 20] [--out PATH.json]
+        [--backends triton,torch] [--iters 20] [--profile] [--out PATH.json]
     .venv/bin/python benchmarks/kernels/bench_model_step.py --smoke          # CPU, interpreter
 
 The model is `radixlm.runtime.models.llama.LlamaForCausalLM` built from a Llama-3-8B config
@@ -63,6 +63,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--backends", default="triton,torch")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA: torch.profiler over 5 steps per backend: GPU kernel time per step, top kernels",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU (interpreter)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -90,6 +95,27 @@ def build_model(params: dict, device, dtype):
     model.rotary = type(model.rotary)(config, model.head_dim, config.max_position_embeddings)
     model.rotary.to(device)
     return model.eval(), config
+
+
+def profile_steps(step, label: str, n: int) -> float:
+    """GPU kernel time per step (sum of kernel durations) under torch.profiler; prints it next
+    to the top kernels. Wall time well above it means the step is bound by host launches."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / n / 1e3
+    print(f"{label:>7}: GPU kernel time {gpu_ms:.2f} ms/step; top kernels:")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+        share = e.self_device_time_total / n / 1e3
+        print(f"         {share:7.3f} ms  x{e.count // n:<4d} {e.key[:90]}")
+    return gpu_ms
 
 
 def main() -> None:
@@ -173,6 +199,9 @@ def main() -> None:
             ms = (time.perf_counter() - t0) * 1e3 / args.iters
         results["backends"][backend] = {"ms_per_step": ms, "tokens_per_s": b / (ms * 1e-3)}
         print(f"{backend:>7}: {ms:9.2f} ms/step   {b / (ms * 1e-3):9.1f} tok/s")
+        if args.profile and cuda:
+            gpu_ms = profile_steps(step, backend, 5)
+            results["backends"][backend]["gpu_kernel_ms_per_step"] = gpu_ms
     if len(logits) > 1:
         first, *rest = logits
         for other in rest:

@@ -162,14 +162,15 @@ def _extend_kernel(
         )
 
 
-def extend_blocks(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): tiny blocks in the interpreter (each program-iteration
-    costs ~ms), otherwise 64x64 (64x32 with 8 warps above head dim 128)."""
+def extend_blocks(head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiny blocks in the interpreter (each
+    program-iteration costs ~ms), otherwise 64x64 (64x32 with 8 warps above head dim 128).
+    `benchmarks/kernels/bench_extend_attention.py --configs` times alternatives."""
     if interpret_mode():
-        return 16, 16, 1
+        return 16, 16, 1, 1
     if head_dim > 128:
-        return 64, 32, 8
-    return 64, 64, 4
+        return 64, 32, 8, 1
+    return 64, 64, 4, 1
 
 
 def extend_attention(
@@ -224,7 +225,7 @@ def extend_attention(
     n = req_ids.shape[0]
     if n == 0 or max_extend_len <= 0:
         return o
-    block_m, block_n, num_warps = extend_blocks(d)
+    block_m, block_n, num_warps, num_stages = extend_blocks(d)
     interp = interpret_mode()
     grid = (n, triton.cdiv(max_extend_len, block_m), hq)
     _extend_kernel[grid](
@@ -260,6 +261,6 @@ def extend_attention(
         BLOCK_D=max(16, next_pow2(d)),
         UPCAST=interp or q.dtype == torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
-        **({} if interp else {"num_warps": num_warps, "num_stages": 1}),
+        **({} if interp else {"num_warps": num_warps, "num_stages": num_stages}),
     )
     return o

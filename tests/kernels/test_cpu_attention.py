@@ -141,6 +141,7 @@ def run_engine(model_dir, backend: str) -> list[list[int]]:
         page_size=4,
         chunked_prefill_size=8,
         num_threads=1,
+        device="cpu",  # the CPU op's engine, also on a machine with CUDA
     )
     with engine:
         assert engine.runner.attention_backend_name == backend

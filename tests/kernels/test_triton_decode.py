@@ -117,7 +117,7 @@ def test_split_heuristic():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "hq,hkv,d,page_size", [(32, 8, 128, 16), (32, 32, 64, 1), (28, 4, 128, 64)]
+    "hq,hkv,d,page_size", [(32, 8, 128, 16), (32, 32, 64, 1), (28, 4, 128, 64), (32, 4, 128, 1)]
 )
 @pytest.mark.parametrize("splits", [1, 8])
 def test_decode_cuda_large(paged_case, dtype, hq, hkv, d, page_size, splits):
@@ -127,3 +127,15 @@ def test_decode_cuda_large(paged_case, dtype, hq, hkv, d, page_size, splits):
     out = run_decode(case, splits, "csr" if splits > 1 else "table", scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out.float(), case.dense_reference(scale), atol=tol, rtol=tol)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 16, 64])
+def test_decode_cuda_long_context(paged_case, splits):
+    """Contexts up to 32k tokens (GQA 8, head dim 128, bf16), one split and split-KV."""
+    shapes = [(32767, 1), (20000, 1), (4095, 1), (3, 1)]
+    case = paged_case(shapes, 32, 4, 128, 16, torch.bfloat16, seed=splits)
+    scale = 128**-0.5
+    out = run_decode(case, splits, "csr", scale)
+    torch.testing.assert_close(out.float(), case.dense_reference(scale), atol=2e-2, rtol=2e-2)

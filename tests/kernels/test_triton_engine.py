@@ -16,6 +16,8 @@ from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kernels.registry import available_backends, resolve_backend_name
 from radixlm.runtime.model_runner import ModelRunner
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
+
 SHARED = [(i * 7919) % 40000 + 5 for i in range(11)]  # 11 tokens: not a multiple of page_size 4
 ROUND_1 = [SHARED + [101, 102], [7, 8, 9], SHARED[:6] + [55] * 9, [3]]
 # Round 2 hits the radix cache (prefix pages shared with round 1), then extends over them.
@@ -75,7 +77,7 @@ def test_triton_runner_logits_match_torch_runner(tiny_llama_dir):
         runner = ModelRunner(
             tiny_llama_dir,
             "float32",
-            torch.device("cpu"),
+            torch.device(DEVICE),
             CacheConfig(page_size=4, num_pages=8),
             attention_backend=backend,
         )
@@ -86,7 +88,7 @@ def test_triton_runner_logits_match_torch_runner(tiny_llama_dir):
         outs, start = [], 0
         for n in (7, 13, 1, 1, 1):  # prefill 0..6, extend 7..19 over the prefix, 3 decodes
             batch = ForwardBatch.build(
-                [ids[start : start + n]], [start], [pages], [list(range(n))], 4, "cpu"
+                [ids[start : start + n]], [start], [pages], [list(range(n))], 4, DEVICE
             )
             outs.append(runner.forward(batch))
             start += n

@@ -117,7 +117,10 @@ def test_backend_mixed_batch_matches_torch_backend(paged_case, hq, hkv, page_siz
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq,hkv,d,page_size", [(32, 8, 128, 16), (16, 16, 64, 1), (12, 2, 80, 64)])
+@pytest.mark.parametrize(
+    "hq,hkv,d,page_size",
+    [(32, 8, 128, 16), (16, 16, 64, 1), (12, 2, 80, 64), (32, 4, 128, 64), (8, 1, 64, 16)],
+)
 def test_extend_cuda_large(paged_case, dtype, hq, hkv, d, page_size):
     shapes = [(0, 300), (77, 129), (1024, 64), (500, 1), (16, 511)]
     case = paged_case(shapes, hq, hkv, d, page_size, dtype, seed=d)
@@ -125,3 +128,15 @@ def test_extend_cuda_large(paged_case, dtype, hq, hkv, d, page_size):
     out = run_extend(case, "table", scale)
     tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
     torch.testing.assert_close(out.float(), case.dense_reference(scale), atol=tol, rtol=tol)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_extend_cuda_long_context(paged_case, page_size):
+    """A 1k chunk over a 16k cached prefix, and a 4k prompt from scratch (GQA 8, head dim 128)."""
+    shapes = [(16384, 1024), (0, 4096), (31000, 7)]
+    case = paged_case(shapes, 32, 4, 128, page_size, torch.bfloat16, seed=page_size)
+    scale = 128**-0.5
+    out = run_extend(case, "csr", scale)
+    torch.testing.assert_close(out.float(), case.dense_reference(scale), atol=2e-2, rtol=2e-2)
