@@ -45,6 +45,41 @@ def _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_kv_tile(
+    K,
+    V,
+    rows,  # [BLOCK_N] int64 row (slot) of each key
+    stride_k,
+    stride_v,
+    k_off,  # kv_head * stride of the head dim
+    v_off,
+    offs_d,  # [BLOCK_D]
+    mask_n,  # [BLOCK_N] valid keys (ignored unless MASK_N)
+    HEAD_DIM: tl.constexpr,
+    MASK_N: tl.constexpr,  # False: every key of the tile is valid (no predicated loads)
+    EVEN_D: tl.constexpr,  # BLOCK_D == HEAD_DIM
+    UPCAST: tl.constexpr,
+):
+    """K and V tiles `[BLOCK_N, BLOCK_D]`; masked lanes (and padded head dims) read 0."""
+    k_ptrs = K + rows[:, None] * stride_k + k_off + offs_d[None, :]
+    v_ptrs = V + rows[:, None] * stride_v + v_off + offs_d[None, :]
+    if MASK_N:
+        mask = mask_n[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_ptrs, mask=mask, other=0.0)
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _extend_kernel(
     Q,  # [T, Hq, D]
     K_new,  # [T, Hkv, D] keys of this forward's tokens
@@ -73,9 +108,10 @@ def _extend_kernel(
     GROUP: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # a multiple of BLOCK_N
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr,  # BLOCK_D == HEAD_DIM: no head-dim masks on K/V loads
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter: bf16 dot is wrong)
     PRECISION: tl.constexpr,
 ):
@@ -104,51 +140,56 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kb_off = kv_head * stride_kbh
+        vb_off = kv_head * stride_vbh
 
-        # 1. The cached prefix, through the pages: every new token sees all of it.
-        for start in range(0, prefix_len, BLOCK_N):
+        # 1. The cached prefix, through the pages: every new token sees all of it. Whole
+        # blocks first (no masks), then the partial last block.
+        prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
+        for start in range(0, prefix_full, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            page = tl.load(Kv_indices + page_base + offs_n // PAGE_SIZE)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            k, v = _load_kv_tile(
+                K_buf, V_buf, slot, stride_kbs, stride_vbs, kb_off, vb_off, offs_d, offs_n,
+                HEAD_DIM, False, EVEN_D, UPCAST,
+            )  # fmt: skip
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
+        for start in range(prefix_full, prefix_len, BLOCK_N):  # at most one block
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < prefix_len
             page = tl.load(Kv_indices + page_base + offs_n // PAGE_SIZE, mask=mask_n, other=0)
             slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                K_buf + slot[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_D]
-            v = tl.load(
-                V_buf + slot[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv_tile(
+                K_buf, V_buf, slot, stride_kbs, stride_vbs, kb_off, vb_off, offs_d, mask_n,
+                HEAD_DIM, True, EVEN_D, UPCAST,
+            )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
 
-        # 2. The new tokens, causal: block loop ends at the last row of this q block.
+        # 2. The new tokens, causal. Blocks wholly before this q block are visible to every
+        # row (no masks); the diagonal blocks end at the q block's last row.
+        kh_off = kv_head * stride_kh
+        vh_off = kv_head * stride_vh
+        for start in range(0, m_start, BLOCK_N):
+            kv_rows = (q_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k, v = _load_kv_tile(
+                K_new, V_new, kv_rows, stride_kt, stride_vt, kh_off, vh_off, offs_d, kv_rows,
+                HEAD_DIM, False, EVEN_D, UPCAST,
+            )  # fmt: skip
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
         end = tl.minimum(ext_len, m_start + BLOCK_M)
-        for start in range(0, end, BLOCK_N):
+        for start in range(m_start, end, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             kv_rows = (q_start + offs_n).to(tl.int64)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(
-                K_new + kv_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                V_new + kv_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv_tile(
+                K_new, V_new, kv_rows, stride_kt, stride_vt, kh_off, vh_off, offs_d, mask_n,
+                HEAD_DIM, True, EVEN_D, UPCAST,
+            )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             causal = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
             qk = tl.where(causal, qk, float("-inf"))
@@ -226,6 +267,8 @@ def extend_attention(
     if n == 0 or max_extend_len <= 0:
         return o
     block_m, block_n, num_warps, num_stages = extend_blocks(d)
+    if block_m % block_n:
+        raise ValueError(f"BLOCK_M {block_m} is not a multiple of BLOCK_N {block_n}")
     interp = interpret_mode()
     grid = (n, triton.cdiv(max_extend_len, block_m), hq)
     _extend_kernel[grid](
@@ -259,6 +302,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(d)),
+        EVEN_D=max(16, next_pow2(d)) == d,
         UPCAST=interp or q.dtype == torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
         **({} if interp else {"num_warps": num_warps, "num_stages": num_stages}),
