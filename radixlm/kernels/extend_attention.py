@@ -205,13 +205,14 @@ def _extend_kernel(
 
 def extend_blocks(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): tiny blocks in the interpreter (each
-    program-iteration costs ~ms), otherwise 64x64 (64x32 with 8 warps above head dim 128).
+    program-iteration costs ~ms); 64x32 with 8 warps above head dim 128; else 128x64, 8 warps,
+    3 stages (the fastest of 7 configs timed on an H100 at head dim 128, see README "GPU"):
     `benchmarks/kernels/bench_extend_attention.py --configs` times alternatives."""
     if interpret_mode():
         return 16, 16, 1, 1
     if head_dim > 128:
         return 64, 32, 8, 1
-    return 64, 64, 4, 1
+    return 128, 64, 8, 3
 
 
 def extend_attention(
