@@ -392,6 +392,7 @@ class GrammarBackend(abc.ABC):
 _BACKEND_MODULES: dict[str, str] = {
     "xgrammar": "radixlm.runtime.grammar.xgrammar_backend",
     "outlines": "radixlm.runtime.grammar.outlines_backend",
+    "llguidance": "radixlm.runtime.grammar.llguidance_backend",
 }
 _BACKENDS: dict[str, type[GrammarBackend]] = {}
 
