@@ -200,51 +200,54 @@ class LLGuidanceBackend(GrammarBackend):
     @staticmethod
     def _tool_calls_lark(c: Constraint) -> str:
         """A Lark grammar of the calls: each ``call_begin(name)``, the arguments as an inline
-        ``%json`` schema, ``CALL_END``. ``auto`` mode puts free text (any text without the
-        trigger) before, between and after calls."""
+        ``%json`` schema, ``CALL_END``. In ``auto`` mode a lazy rule takes the text up to and
+        including the first trigger (the call's remaining head follows it), and the text after
+        the last call is any text without the trigger (derivre's ``&`` / ``~`` operators)."""
         spec = ToolCallsSpec.from_json(c.spec)
         options = json_options(c.whitespace)
+        auto = spec.mode == "auto"
         rules = []
         for i, tool in enumerate(spec.tools):
             schema = json.loads(prepared_schema_text(tool.parameters, lower=False))
-            if isinstance(schema, dict):
-                schema = {**schema, "x-guidance": options}
-            else:  # ``true``: any JSON value
-                schema = {"x-guidance": options}
-            rules.append(
-                f"call_{i}: {json.dumps(call_begin(tool.name))} %json {json.dumps(schema)} "
-                f"{json.dumps(CALL_END)}"
-            )
+            schema = {**schema, "x-guidance": options} if isinstance(schema, dict) else {}
+            head = call_begin(tool.name)[len(TRIGGER) if auto else 0 :]
+            rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} "
+                         f"{json.dumps(CALL_END)}")  # fmt: skip
         names = " | ".join(f"call_{i}" for i in range(len(spec.tools)))
-        lines = [f"call: {names}", *rules]
-        sep = json.dumps(SEPARATOR)
-        if spec.mode == "required":
-            lines.insert(0, f"start: call ({sep} call)*" if spec.parallel else "start: call")
-        else:
-            calls = "(call TEXT?)*" if spec.parallel else "(call TEXT?)?"
-            lines.insert(0, f"start: TEXT? {calls}")
-            # NOTE: derivre's "&" / "~" operators: any text that does not contain the trigger.
-            lines.append(f"TEXT: /(?s:.+)/ & ~/(?s:.*){_regex_literal(TRIGGER)}(?s:.*)/")
-        return "\n".join(lines)
+        if not auto:
+            sep = json.dumps(SEPARATOR)
+            start = f"start: call ({sep} call)*" if spec.parallel else "start: call"
+            return "\n".join([start, f"call: {names}", *rules])
+        trigger = _regex_literal(TRIGGER)
+        return "\n".join(
+            [
+                f"start: (pre call){'*' if spec.parallel else '?'} TEXT?",
+                f"call: {names}",
+                *rules,
+                f"pre[lazy]: /(?s:.*){trigger}/",
+                f"TEXT: /(?s:.+)/ & ~/(?s:.*){trigger}(?s:.*)/",
+            ]
+        )
 
-    def _build(self, c: Constraint) -> llg.LLMatcher:
+    def _checked_grammar(self, c: Constraint) -> str:
+        """``grammar(c)``, checked by llguidance (parse, unimplemented keywords, unsatisfiable
+        schemas, regex syntax) without building a parser: raises ``GrammarError``."""
         grammar = self.grammar(c)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise GrammarError(f"invalid {c.kind}: {_clean(messages[0] if messages else '')}")
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"invalid {c.kind}: {_clean(matcher.get_error())}")
-        return matcher
+        return grammar
 
     def _validate_syntax(self, constraint: Constraint) -> None:
-        if constraint.kind in ("regex", "choices"):
-            self._build(constraint)
+        self._checked_grammar(constraint)
 
     def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
         start = time.perf_counter()
         self.check_semantics(constraint)
-        template = self._build(constraint)
+        grammar = self._checked_grammar(constraint)
+        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(f"invalid {constraint.kind}: {_clean(template.get_error())}")
         return LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
 
 
