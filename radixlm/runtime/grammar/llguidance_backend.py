@@ -50,16 +50,13 @@ from radixlm.tool_calls import CALL_END, SEPARATOR, TRIGGER, ToolCallsSpec, call
 _WHITESPACE = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
 
 
-def json_options(whitespace: str) -> dict[str, Any]:
-    """llguidance's JSON compile options for a ``Constraint.whitespace`` mode."""
-    if whitespace == "compact":
-        return {
-            "whitespace_flexible": False,
-            "item_separator": ",",
-            "key_separator": ":",
-            "coerce_one_of": True,
-        }
-    return {"whitespace_flexible": True, "whitespace_pattern": _WHITESPACE, "coerce_one_of": True}
+def json_options(c: Constraint) -> dict[str, Any]:
+    """llguidance's JSON compile options for a constraint's whitespace mode and strictness
+    (``lenient``: ignore unimplemented keywords, for best effort only)."""
+    common = {"coerce_one_of": True, "lenient": c.best_effort}
+    if c.whitespace == "compact":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", **common}
+    return {"whitespace_flexible": True, "whitespace_pattern": _WHITESPACE, **common}
 
 
 class _Vocabulary:
@@ -177,9 +174,9 @@ class LLGuidanceBackend(GrammarBackend):
     def grammar(self, c: Constraint) -> str:
         """llguidance's grammar text for ``c`` (cheap: no parsing yet)."""
         if c.kind == "json_schema":
-            return self._json_grammar(prepared_schema_text(c.spec, lower=False), c.whitespace)
+            return self._json_grammar(prepared_schema_text(c.spec, lower=False), c)
         if c.kind == "json_object":
-            return self._json_grammar('{"type":"object"}', c.whitespace)
+            return self._json_grammar('{"type":"object"}', c)
         if c.kind == "regex":
             return llg.LLMatcher.grammar_from_regex(c.spec)
         if c.kind == "choices":
@@ -204,7 +201,7 @@ class LLGuidanceBackend(GrammarBackend):
         including the first trigger (the call's remaining head follows it), and the text after
         the last call is any text without the trigger (derivre's ``&`` / ``~`` operators)."""
         spec = ToolCallsSpec.from_json(c.spec)
-        options = json_options(c.whitespace)
+        options = json_options(c)
         auto = spec.mode == "auto"
         rules = []
         for i, tool in enumerate(spec.tools):

@@ -91,7 +91,8 @@ class SchemaSupport:
     # ``false``): ``required`` names that ``properties`` does not declare never are, and
     # ``false`` property schemas can be dropped (``lower_for_backends``).
     declared_properties_only: bool = True
-    # ``pattern`` / ``patternProperties`` are searched, as JSON Schema says (not full-matched).
+    # ``pattern`` / ``patternProperties`` are searched, as JSON Schema says (not full-matched),
+    # and a property name is checked against every pattern and ``properties`` entry it matches.
     pattern_search: bool = False
 
 
@@ -172,7 +173,7 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.append(f"{key} (with sibling keywords)")
         elif key.startswith("unevaluated") and any(k in schema for k in _IN_PLACE):
             found.append(f"{key} (with in-place applicators)")
-        elif key == "patternProperties" and isinstance(value, dict):
+        elif key == "patternProperties" and isinstance(value, dict) and not support.pattern_search:
             found.extend(_pattern_properties_problems(schema, value))
         elif key == "items" and isinstance(value, list):
             found.append("items (array form; use prefixItems)")
@@ -222,6 +223,8 @@ def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
     """Why a backend cannot enforce ``pattern`` exactly (both ignore lookarounds and anchors
     inside the pattern; outlines splices the pattern into its regex without a group)."""
     found = _regex_features(pattern) - ({"top-level |"} if support.pattern_alternation else set())
+    if support.pattern_search:  # anchors mean what they say in a search
+        found.discard("inner anchor")
     return sorted(f"{f} unsupported" for f in found)
 
 

@@ -174,6 +174,7 @@ CANNOT_COMPILE = {
     ("outlines", "$ref: 'https://example.com/s.json' (external reference)"),
     ("outlines", 'minLength (without "type")'),
     ("outlines", 'format (without "type")'),
+    ("llguidance", "$ref: 'https://example.com/s.json' (external reference)"),
 }
 
 
