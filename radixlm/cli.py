@@ -23,7 +23,8 @@ _HELP = {
     "num_threads": "torch CPU threads",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
-    "grammar_backend": "constrained decoding backend: xgrammar | outlines",
+    "grammar_backend": "constrained decoding backend: auto (per constraint, the first of "
+    "llguidance, xgrammar, outlines that enforces all of it) | llguidance | xgrammar | outlines",
     "enable_jump_forward": "append the text a grammar forces without sampling it "
     "(--disable-jump-forward turns it off)",
     "grammar_timeout_s": "seconds a grammar may take to compile before its request fails",

@@ -73,7 +73,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's choice
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step
-    grammar_backend: str = "xgrammar"  # constrained decoding: "xgrammar" | "outlines"
+    # constrained decoding: "auto" (per constraint, the first of llguidance / xgrammar / outlines
+    # that enforces all of it) or one of those by name
+    grammar_backend: str = "auto"
     enable_jump_forward: bool = True  # append grammar-forced tokens without sampling them
     grammar_timeout_s: float = 30.0  # a grammar compiling longer fails its request
     tp_size: int = 1  # tensor parallel ranks (radixlm.runtime.distributed)

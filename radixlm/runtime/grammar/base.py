@@ -392,6 +392,8 @@ class GrammarBackend(abc.ABC):
 _BACKEND_MODULES: dict[str, str] = {
     "xgrammar": "radixlm.runtime.grammar.xgrammar_backend",
     "outlines": "radixlm.runtime.grammar.outlines_backend",
+    "llguidance": "radixlm.runtime.grammar.llguidance_backend",
+    "auto": "radixlm.runtime.grammar.auto_backend",
 }
 _BACKENDS: dict[str, type[GrammarBackend]] = {}
 
@@ -403,7 +405,8 @@ def register_backend(cls: type[GrammarBackend]) -> type[GrammarBackend]:
 
 
 def get_backend(name: str) -> type[GrammarBackend]:
-    """The backend class registered under ``name`` (``xgrammar`` or ``outlines``)."""
+    """The backend class registered under ``name`` (``auto``, ``llguidance``, ``xgrammar``,
+    ``outlines``)."""
     if name not in _BACKENDS and name in _BACKEND_MODULES:
         importlib.import_module(_BACKEND_MODULES[name])
     try:

@@ -64,7 +64,8 @@ def _copy_into(dst: Future[CompiledGrammar], src: Future[CompiledGrammar]) -> No
 class GrammarManager:
     """Compiles, caches and instantiates grammars for one model vocabulary.
 
-    ``backend``: a registered name (``"xgrammar"``, ``"outlines"``) or a ready backend instance.
+    ``backend``: a registered name (``"auto"``, ``"llguidance"``, ``"xgrammar"``, ``"outlines"``)
+    or a ready backend instance.
     ``vocab_size``: the model's logits width (bitmasks cover it; ids the tokenizer lacks are
     never allowed). ``jump_forward_enabled=False`` makes ``jump_forward`` a no-op.
     """
@@ -74,7 +75,7 @@ class GrammarManager:
         tokenizer: Any,
         vocab_size: int,
         eos_token_ids: Sequence[int],
-        backend: str | GrammarBackend = "xgrammar",
+        backend: str | GrammarBackend = "auto",
         *,
         max_workers: int = 2,
         cache_size: int = 256,

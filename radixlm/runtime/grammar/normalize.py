@@ -23,6 +23,8 @@ refuses it by name. Rewrites, bottom-up:
 - ``uniqueItems`` on arrays whose items come from a finite set (``enum`` / ``const`` /
   boolean) of at most 4 values -> an ``enum`` of every array the original schema accepts
   (each checked with ``jsonschema``).
+- ``format`` values that no draft defines (``"url"``, ``"semver"``, ...) are annotations for
+  every validator: dropped.
 - ``required`` names that ``properties`` does not declare are declared, with the
   ``additionalProperties`` schema (or any value), when no ``patternProperties`` is present.
 
@@ -46,6 +48,7 @@ from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_VALUES,
+    SPEC_FORMATS,
     VALIDATION_KEYWORDS,
     resolve_pointer,
 )
@@ -179,11 +182,12 @@ class _Normalizer:
             s = self._ref_siblings(s, depth)
             if not isinstance(s, dict) or "$ref" in s:
                 return s
-        local = (self._boolean_bounds, self._declare_required, self._finite)
+        local = (self._no_ops, self._boolean_bounds, self._declare_required,
+                 self._finite)  # fmt: skip
         steps = (
-            self._boolean_bounds, self._items_array, self._all_of, self._declare_required,
-            self._unique_items, self._if_then_else, self._dependencies, self._distribute,
-            self._finite,
+            self._no_ops, self._boolean_bounds, self._items_array, self._all_of,
+            self._declare_required, self._unique_items, self._if_then_else, self._dependencies,
+            self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
             if not isinstance(s, dict):
@@ -434,6 +438,17 @@ class _Normalizer:
             return s
         out = self._branches(body, cases, depth)
         return s if out is None else out
+
+    @staticmethod
+    def _no_ops(s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """Drop keywords that assert nothing: a ``format`` that no JSON Schema draft defines
+        (validators treat it as an annotation; defined formats stay and must be enforced
+        exactly) and ``uniqueItems: false``."""
+        fmt = s.get("format")
+        drop = {"format"} if isinstance(fmt, str) and fmt not in SPEC_FORMATS else set()
+        if s.get("uniqueItems") is False:
+            drop.add("uniqueItems")
+        return {k: v for k, v in s.items() if k not in drop} if drop else s
 
     @staticmethod
     def _boolean_bounds(s: dict[str, Any], depth: int) -> dict[str, Any]:

@@ -82,6 +82,18 @@ class SchemaSupport:
     pattern_alternation: bool = True
     # (keyword, sibling): the keyword is ignored when the sibling is in the same schema.
     ignored_with: tuple[tuple[str, str], ...] = ()
+    # Keywords applied while every other validation keyword beside them (but those listed) is
+    # ignored; None: the measured xgrammar / outlines table ``_ALONE``.
+    alone: dict[str, frozenset[str]] | None = None
+    # Type-specific keywords (``_NEEDS_TYPE``) are applied only when the schema states "type".
+    needs_type: bool = True
+    # Only declared properties are generated (absent ``additionalProperties`` acts as
+    # ``false``): ``required`` names that ``properties`` does not declare never are, and
+    # ``false`` property schemas can be dropped (``lower_for_backends``).
+    declared_properties_only: bool = True
+    # ``pattern`` / ``patternProperties`` are searched, as JSON Schema says (not full-matched),
+    # and a property name is checked against every pattern and ``properties`` entry it matches.
+    pattern_search: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,7 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
     instance type is implied by the position (``propertyNames`` applies to keys: strings)."""
     found = []
     typed = typed or "type" in schema
+    alone = _ALONE if support.alone is None else support.alone
     for key, value in schema.items():
         if key not in VALIDATION_KEYWORDS:
             continue
@@ -133,7 +146,7 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             if not (key == "uniqueItems" and value is False):
                 found.append(key)
             continue
-        if key in _NEEDS_TYPE and not typed:
+        if key in _NEEDS_TYPE and not typed and support.needs_type:
             found.append(f'{key} (without "type")')
         found.extend(
             f"{key} (with {other})"
@@ -155,16 +168,16 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
             found.append(f"$ref: {value!r} (external reference)")
         elif key == "$ref" and isinstance(value, str) and value != "#" and value[:2] != "#/":
             found.append(f"$ref: {value!r} (anchor reference)")
-        elif key in _ALONE and any(k in VALIDATION_KEYWORDS and k not in _ALONE[key]
-                                   for k in schema):  # fmt: skip
+        elif key in alone and any(k in VALIDATION_KEYWORDS and k not in alone[key]
+                                  for k in schema):  # fmt: skip
             found.append(f"{key} (with sibling keywords)")
         elif key.startswith("unevaluated") and any(k in schema for k in _IN_PLACE):
             found.append(f"{key} (with in-place applicators)")
-        elif key == "patternProperties" and isinstance(value, dict):
+        elif key == "patternProperties" and isinstance(value, dict) and not support.pattern_search:
             found.extend(_pattern_properties_problems(schema, value))
         elif key == "items" and isinstance(value, list):
             found.append("items (array form; use prefixItems)")
-        elif key == "required" and isinstance(value, list):
+        elif key == "required" and isinstance(value, list) and support.declared_properties_only:
             declared = schema.get("properties")
             declared = declared if isinstance(declared, dict) else {}
             found.extend(
@@ -210,6 +223,8 @@ def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
     """Why a backend cannot enforce ``pattern`` exactly (both ignore lookarounds and anchors
     inside the pattern; outlines splices the pattern into its regex without a group)."""
     found = _regex_features(pattern) - ({"top-level |"} if support.pattern_alternation else set())
+    if support.pattern_search:  # anchors mean what they say in a search
+        found.discard("inner anchor")
     return sorted(f"{f} unsupported" for f in found)
 
 
@@ -314,11 +329,21 @@ def check_metaschema(schema: Any) -> None:
         raise GrammarError(f"invalid JSON schema at #/{where}: {exc.message}") from None
 
 
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
+
+
 @functools.lru_cache(maxsize=512)
-def prepared_schema_text(spec: str) -> str:
+def prepared_schema_text(spec: str, lower: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
-    rewrites), then ``normalize.lower_for_backends``, as compact JSON (key order kept)."""
-    schema = lower_for_backends(normalize_schema(json.loads(spec)))
+    rewrites), then (``lower``: for backends that generate declared properties only)
+    ``normalize.lower_for_backends``, as compact JSON (key order kept). The result is written
+    in 2020-12 keywords (``prefixItems``, numeric exclusive bounds, ...) and says so in its
+    ``$schema`` (llguidance reads keywords by the declared draft)."""
+    schema = normalize_schema(json.loads(spec))
+    if isinstance(schema, dict) and "$schema" in schema:
+        schema = {**schema, "$schema": DRAFT_2020_12}
+    if lower:
+        schema = lower_for_backends(schema)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -334,7 +359,7 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
     # NOTE: before the metaschema check, which recurses (a deep schema would overflow it).
     check_json_shape(schema, "JSON schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
     check_metaschema(schema)
-    schema = json.loads(prepared_schema_text(spec))
+    schema = json.loads(prepared_schema_text(spec, support.declared_properties_only))
     if schema is False:
         raise GrammarError("JSON schema matches nothing (after merging its subschemas)")
     if best_effort:
@@ -428,4 +453,32 @@ OUTLINES_SUPPORT = SchemaSupport(
     ),  # fmt: skip
     empty_subschema=False,
     pattern_alternation=False,
+)
+
+# Measured with llguidance 1.9 (it refuses by itself what it does not implement: ``not``,
+# ``if`` / ``then`` / ``else``, ``contains``, ``uniqueItems``, ``propertyNames``, the
+# ``dependent*`` keywords, ``unevaluated*``; the normalizer rewrites most of those first). It
+# intersects sibling keywords, applies type-specific keywords without "type", and generates
+# undeclared ``required`` properties from ``additionalProperties``.
+LLGUIDANCE_SUPPORT = SchemaSupport(
+    keywords=_COMMON | (_XGRAMMAR_EXTRA - {"propertyNames"}) | {"maxProperties"},
+    formats=frozenset(
+        {
+            "date",
+            "time",
+            "date-time",
+            "duration",
+            "email",
+            "uri",
+            "uuid",
+            "ipv4",
+            "ipv6",
+            "hostname",
+        }
+    ),  # fmt: skip
+    max_all_of=1_000,
+    alone={},
+    needs_type=False,
+    declared_properties_only=False,
+    pattern_search=True,
 )

@@ -8,7 +8,7 @@ from radixlm.runtime.grammar import GrammarMatcher, TokenVocab, allocate_bitmask
 
 VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
 EOS = 2
-BACKENDS = ("xgrammar", "outlines")
+BACKENDS = ("xgrammar", "outlines", "llguidance")
 # One token per byte, EOS last: walking a text byte by byte through a matcher built on it is
 # exactly "the grammar accepts this string", whatever a real tokenizer would split it into.
 BYTE_EOS = 256

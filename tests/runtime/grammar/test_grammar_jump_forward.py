@@ -18,7 +18,12 @@ from radixlm.runtime.grammar import (
     jump_forward,
 )
 
-NAME = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+NAME = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}},
+    "required": ["name"],
+    "additionalProperties": False,
+}
 Compile = Callable[[str, Constraint], Any]
 
 
@@ -47,6 +52,8 @@ def test_partial_token_is_retokenized_with_the_forced_text(
 ) -> None:
     """The model sampled "{" (allowed), the grammar forces '"name":"': re-tokenizing "{" with it
     replaces "{" by '{"' -- the same tokens tokenizer.encode gives for the whole text."""
+    if backend == "llguidance":
+        pytest.skip("llguidance allows only the canonical tokens of forced text: never '{' here")
     m = compile_for(backend, _c(json_schema=NAME)).new_matcher()
     (brace,) = tokenizer.encode("{")
     mask = allocate_bitmask(1, vocab.vocab_size)

@@ -63,11 +63,11 @@ def _accepts(matcher: Any, tokenizer: Any, text: str) -> bool:
     return matcher.accept_tokens(tokenizer.encode(text, add_special_tokens=False))
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "llguidance"])
 def test_required_accepts_exactly_calls(
     backend: str, tokenizer: Any, compile_for: Callable[[str, Constraint], Any]
 ) -> None:
-    add = ADD if backend == "xgrammar" else ADD_UNBOUNDED
+    add = ADD_UNBOUNDED if backend == "outlines" else ADD
     single = compile_for(backend, _c(get_weather=WEATHER, add=add))
     walk(single.new_matcher(), tokenizer.encode(CALL_W, add_special_tokens=False))
     walk(single.new_matcher(), tokenizer.encode(CALL_A, add_special_tokens=False))
@@ -81,7 +81,7 @@ def test_required_accepts_exactly_calls(
     # arguments follow the schema: the enum and the integer bounds
     bad_enum = format_tool_call("get_weather", '{"city":"Paris","unit":"k"}')
     assert not _accepts(single.new_matcher(), tokenizer, bad_enum)
-    if backend == "xgrammar":
+    if backend != "outlines":
         assert not _accepts(single.new_matcher(), tokenizer, format_tool_call("add", '{"a":12'))
     # without parallel, a second call is refused; with it, accepted
     m = single.new_matcher()
@@ -92,10 +92,11 @@ def test_required_accepts_exactly_calls(
     walk(parallel.new_matcher(), both, eos_only_at_end=False)
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_auto_allows_text_then_a_constrained_call(
-    tokenizer: Any, compile_for: Callable[[str, Constraint], Any]
+    backend: str, tokenizer: Any, compile_for: Callable[[str, Constraint], Any]
 ) -> None:
-    auto = compile_for("xgrammar", _c("auto"))
+    auto = compile_for(backend, _c("auto"))
     text = tokenizer.encode("Sure, one moment.", add_special_tokens=False)
     walk(auto.new_matcher(), text, eos_only_at_end=False)  # plain text may stop
     ids = tokenizer.encode("Let me check.\n" + CALL_W, add_special_tokens=False)
@@ -113,7 +114,7 @@ def test_outlines_refuses_auto_by_name(backends: dict[str, GrammarBackend]) -> N
         backends["outlines"].validate(_c("auto", add=ADD_UNBOUNDED))
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "llguidance"])
 def test_unenforceable_keyword_is_refused_unless_best_effort(
     backend: str, backends: dict[str, GrammarBackend]
 ) -> None:
