@@ -25,6 +25,8 @@ refuses it by name. Rewrites, bottom-up:
   (each checked with ``jsonschema``).
 - ``format`` values that no draft defines (``"url"``, ``"semver"``, ...) are annotations for
   every validator: dropped.
+- ``format`` with an exact (or over-strict) regex in ``formats.FORMAT_PATTERNS`` (date, time,
+  date-time, uuid, ipv4, ipv6, hostname) and no sibling ``pattern`` -> that ``pattern``.
 - ``required`` names that ``properties`` does not declare are declared, with the
   ``additionalProperties`` schema (or any value), when no ``patternProperties`` is present.
 
@@ -44,6 +46,7 @@ import json
 from typing import Any
 
 from radixlm.runtime.grammar.disjoint import json_equal
+from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -182,10 +185,10 @@ class _Normalizer:
             s = self._ref_siblings(s, depth)
             if not isinstance(s, dict) or "$ref" in s:
                 return s
-        local = (self._no_ops, self._boolean_bounds, self._declare_required,
+        local = (self._no_ops, self._formats, self._boolean_bounds, self._declare_required,
                  self._finite)  # fmt: skip
         steps = (
-            self._no_ops, self._boolean_bounds, self._items_array, self._all_of,
+            self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
             self._declare_required, self._unique_items, self._if_then_else, self._dependencies,
             self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
@@ -449,6 +452,17 @@ class _Normalizer:
         if s.get("uniqueItems") is False:
             drop.add("uniqueItems")
         return {k: v for k, v in s.items() if k not in drop} if drop else s
+
+    @staticmethod
+    def _formats(s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """``format: F`` -> ``pattern: FORMAT_PATTERNS[F]`` (same valid strings, or fewer where
+        formats.py says "subset"; both apply to strings only), unless a ``pattern`` is already
+        there (the format then stays for the backend, or strict mode)."""
+        fmt = s.get("format")
+        if not isinstance(fmt, str) or fmt not in FORMAT_PATTERNS or "pattern" in s:
+            return s
+        return {("pattern" if k == "format" else k): (FORMAT_PATTERNS[fmt] if k == "format" else v)
+                for k, v in s.items()}  # fmt: skip
 
     @staticmethod
     def _boolean_bounds(s: dict[str, Any], depth: int) -> dict[str, Any]:
