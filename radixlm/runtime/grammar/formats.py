@@ -10,7 +10,9 @@ into ``pattern`` with them, so every backend enforces the same language.
 Dialect: the common subset of xgrammar, outlines-core and llguidance regexes (and ECMA-262 /
 Python ``re``): literal characters, ``[...]`` classes with ASCII ranges (never ``\\d``, which
 is Unicode in Python), non-capturing groups, ``|`` only inside a group, ``?`` and ``{m,n}``;
-``^`` / ``$`` only at the ends (llguidance searches patterns; the others full-match).
+``^`` / ``$`` only at the ends (llguidance searches patterns; the others full-match). An
+optional group is written ``(?:...){0,1}``, never ``(?:...)?``: xgrammar 0.2.8 compiles
+``(?:ab*)?`` as if every item in it were optional (it accepts "b"), while ``{0,1}`` is exact.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _DATE = (
 # time-hour ":" time-minute; "T" and "Z" case-insensitive (section 5.6 NOTE).
 _HOUR = "(?:[01][0-9]|2[0-3])"
 _MINUTE = "[0-5][0-9]"
-_FRAC = "(?:[.][0-9]+)?"
+_FRAC = "(?:[.][0-9]+){0,1}"
 _OFFSET = f"(?:[Zz]|[+-]{_HOUR}:{_MINUTE})"
 _NORMAL_TIME = f"(?:{_HOUR}:{_MINUTE}:{_MINUTE}{_FRAC}{_OFFSET})"
 # Leap second (time-second 60, section 5.7): valid only where the time is 23:59:60 in UTC,
@@ -86,7 +88,7 @@ def _ipv6() -> str:
         return f"(?:{_H16}:){{{n}}}" if n else ""
 
     def head(n: int) -> str:  # [ *n( h16 ":" ) h16 ]
-        return "" if n < 0 else f"(?:(?:{_H16}:){{0,{n}}}{_H16})?"
+        return "" if n < 0 else f"(?:(?:{_H16}:){{0,{n}}}{_H16}){{0,1}}"
 
     branches = [f"{groups(6)}{_LS32}", f"::{groups(5)}{_LS32}"]
     branches += [f"{head(k)}::{groups(3 - k)}{_LS32}" for k in range(0, 4)]
@@ -105,10 +107,32 @@ _IPV6 = _ipv6()
 # up to 63 characters, or 4 to 8 labels of up to 30.
 def _label(max_len: int) -> str:
     rest = f"{_LDH}{{0,{max_len - 5}}}{_ALNUM}"
-    return f"(?:{_ALNUM}(?:{_LDH}{{0,2}}{_ALNUM}|{_LDH}(?:{_ALNUM}{_LDH}|-{_ALNUM}){rest})?)"
+    return f"(?:{_ALNUM}(?:{_LDH}{{0,2}}{_ALNUM}|{_LDH}(?:{_ALNUM}{_LDH}|-{_ALNUM}){rest}){{0,1}})"
 
 
 _HOSTNAME = f"(?:{_label(63)}(?:[.]{_label(63)}){{0,2}}|{_label(30)}(?:[.]{_label(30)}){{3,7}})"
+
+# RFC 3986 section 3 / appendix A, URI (absolute, fragment allowed): scheme ":" hier-part
+# [ "?" query ] [ "#" fragment ], hier-part = "//" authority path-abempty / path-absolute /
+# path-rootless / path-empty; authority = [ userinfo "@" ] host [ ":" port ], host = IP-literal
+# (IPv6 or IPvFuture in brackets) / IPv4address / reg-name. Exact (ASCII only: IRIs are
+# another format).
+_UNRESERVED = "A-Za-z0-9._~"  # and "-", which each class below ends with
+_SUB_DELIMS = "!$&'()*+,;="
+_PCT = f"%{_HEX}{_HEX}"
+_USERINFO = f"(?:[{_UNRESERVED}{_SUB_DELIMS}:-]|{_PCT})*"
+_IP_LITERAL = f"\\[(?:{_IPV6}|v{_HEX}+[.][{_UNRESERVED}{_SUB_DELIMS}:-]+)\\]"
+_REG_NAME = f"(?:[{_UNRESERVED}{_SUB_DELIMS}-]|{_PCT})*"
+_AUTHORITY = f"(?:{_USERINFO}@){{0,1}}(?:{_IP_LITERAL}|{_IPV4}|{_REG_NAME})(?::[0-9]*){{0,1}}"
+_PCHAR = f"(?:[{_UNRESERVED}{_SUB_DELIMS}:@-]|{_PCT})"
+_SEGMENT_NZ = f"{_PCHAR}+"
+_PATH_ABEMPTY = f"(?:/{_PCHAR}*)*"
+_HIER_PART = (
+    f"(?://{_AUTHORITY}{_PATH_ABEMPTY}|/(?:{_SEGMENT_NZ}{_PATH_ABEMPTY}){{0,1}}"
+    f"|{_SEGMENT_NZ}{_PATH_ABEMPTY}){{0,1}}"
+)
+_QUERY = f"(?:{_PCHAR}|[/?])*"
+_URI = f"[A-Za-z][A-Za-z0-9+.-]*:{_HIER_PART}(?:[?]{_QUERY}){{0,1}}(?:#{_QUERY}){{0,1}}"
 
 FORMAT_PATTERNS: dict[str, str] = {
     "date": f"^{_DATE}$",
@@ -119,4 +143,5 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv4": f"^{_IPV4}$",
     "ipv6": f"^{_IPV6}$",
     "hostname": f"^{_HOSTNAME}$",
+    "uri": f"^{_URI}$",
 }
