@@ -91,7 +91,7 @@ def _ipv6() -> str:
         return "" if n < 0 else f"(?:(?:{_H16}:){{0,{n}}}{_H16}){{0,1}}"
 
     branches = [f"{groups(6)}{_LS32}", f"::{groups(5)}{_LS32}"]
-    branches += [f"{head(k)}::{groups(3 - k)}{_LS32}" for k in range(0, 4)]
+    branches += [f"{head(k)}::{groups(4 - k)}{_LS32}" for k in range(0, 4)]
     branches += [f"{head(4)}::{_LS32}", f"{head(5)}::{_H16}", f"{head(6)}::"]
     return f"(?:{'|'.join(branches)})"
 

@@ -13,7 +13,12 @@ laxer than the suite in places, so only that direction is asserted).
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
+import itertools
 import json
+import random
+import re
 from dataclasses import dataclass, field
 import jsonschema
 import jsonschema_rs
@@ -125,3 +130,155 @@ def test_format_summary(capsys: pytest.CaptureFixture[str]) -> None:
         )
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+# ---- the regexes themselves, against references nobody here wrote ---------------------------
+
+
+def _full(fmt: str, text: str) -> bool:
+    return re.fullmatch(FORMAT_PATTERNS[fmt][1:-1], text) is not None
+
+
+def _rs_accepts(fmt: str, text: str) -> bool:
+    return jsonschema_rs.validator_for({"format": fmt}, validate_formats=True).is_valid(text)
+
+
+def test_date_pattern_is_exact() -> None:
+    """Every month/day in sample years (with century and 400-year leap rules), and Feb 29 of
+    every year 0001-9999, against ``datetime.date``."""
+    years = [1, 4, 100, 400, 1600, 1700, 1900, 1999, 2000, 2004, 2023, 2024, 2100, 2400, 9996]
+    cases = [(y, m, d) for y in years for m in range(0, 14) for d in range(0, 33)]
+    cases += [(y, 2, 29) for y in range(1, 10_000)]
+    for y, m, d in cases:
+        try:
+            datetime.date(y, m, d)
+            valid = True
+        except ValueError:
+            valid = False
+        assert _full("date", f"{y:04d}-{m:02d}-{d:02d}") == valid, (y, m, d)
+    assert _full("date", "0000-02-29")  # year 0 is divisible by 400 (RFC 3339 appendix C)
+
+
+def test_time_pattern_is_exact_or_a_subset() -> None:
+    """Seconds 00-59 exactly; a leap second is accepted only where it is 23:59:60 UTC, and for
+    every offset with 00/15/30/45 minutes (the documented subset) it is."""
+    for h, m, s in itertools.product(range(26), range(62), range(62)):
+        if s == 60:
+            continue
+        valid = h < 24 and m < 60 and s < 60
+        assert _full("time", f"{h:02d}:{m:02d}:{s:02d}Z") == valid, (h, m, s)
+    day = datetime.datetime(2000, 1, 1)
+    for sign, oh, om in itertools.product((1, -1), range(24), range(60)):
+        offset = datetime.timedelta(hours=oh, minutes=om) * sign
+        text_offset = f"{'+' if sign > 0 else '-'}{oh:02d}:{om:02d}"
+        # the one local time that is 23:59 UTC with this offset
+        local = (day.replace(hour=23, minute=59) + offset).time()
+        for h, m in {(local.hour, local.minute), (23, 59), (local.hour, (local.minute + 1) % 60)}:
+            utc = (day.replace(hour=h, minute=m) - offset).time()
+            valid = (utc.hour, utc.minute) == (23, 59)
+            text = f"{h:02d}:{m:02d}:60{text_offset}"
+            if _full("time", text):
+                assert valid, text
+            elif valid:
+                assert om not in (0, 15, 30, 45), text
+    assert _full("time", "23:59:60.5z") and not _full("time", "22:59:60Z")
+
+
+def _ipv6_variants(rng: random.Random) -> list[str]:
+    groups = [rng.choice((0, 0, 1, 0xFFFF, rng.randrange(0x10000))) for _ in range(8)]
+    addr = ipaddress.IPv6Address(":".join(f"{g:x}" for g in groups))
+    out = [addr.compressed, addr.exploded, addr.exploded.upper()]
+    v4 = ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+    out.append(addr.exploded.rsplit(":", 2)[0] + ":" + str(v4))
+    text = rng.choice(out)
+    for _ in range(rng.randrange(3)):  # mutations: many are no longer addresses
+        i = rng.randrange(len(text) + 1)
+        op = rng.randrange(3)
+        ch = rng.choice("0f:.1")
+        text = text[:i] + ch + text[i:] if op == 0 else text[:i] + text[i + 1 :]
+    return [*out, text]
+
+
+def test_ip_patterns_are_exact() -> None:
+    """Random (and mutated) addresses against ``ipaddress`` (no leading zeros in IPv4 octets;
+    IPv6 without zone ids)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        parts = [rng.choice((str(rng.randrange(300)), f"0{rng.randrange(10)}", "")) for _ in "..."]
+        parts += [str(rng.randrange(256))] * rng.randrange(2)
+        text = ".".join(parts)
+        try:
+            valid = bool(ipaddress.IPv4Address(text))
+        except ValueError:
+            valid = False
+        assert _full("ipv4", text) == valid, text
+    for _ in range(2000):
+        for text in _ipv6_variants(rng):
+            try:
+                valid = "%" not in text and bool(ipaddress.IPv6Address(text))
+            except ValueError:
+                valid = False
+            assert _full("ipv6", text) == valid, text
+
+
+def _hostname_ok(text: str) -> bool:
+    """RFC 1123 section 2.1 (the reference the subset must stay inside)."""
+    labels = text.split(".")
+    ldh = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?", re.ASCII)
+    return len(text) <= 253 and all(len(x) <= 63 and ldh.fullmatch(x) for x in labels)
+
+
+def test_hostname_pattern_is_a_subset() -> None:
+    rng = random.Random(1)
+    for _ in range(5000):
+        n = rng.randrange(1, 10)
+        labels = [
+            "".join(rng.choice("ab-0.") for _ in range(rng.choice((1, 2, 4, 5, 30, 31, 63, 64))))
+            for _ in range(n)
+        ]
+        text = ".".join(labels)
+        if _full("hostname", text):
+            assert _hostname_ok(text) and _rs_accepts("hostname", text), text
+        elif _hostname_ok(text) and "--" not in {x[2:4] for x in labels}:
+            # refused although valid: only outside the two documented shapes
+            short = all(len(x) <= 30 for x in labels) and 4 <= n <= 8
+            assert n > 3 and not short, text
+
+
+def _near_misses(fmt: str, n: int, seed: int) -> list[str]:
+    """The suite's strings for ``fmt`` and ``n`` random one- or two-character edits of them."""
+    rng = random.Random(seed)
+    base = sorted({data for _, data, _ in _instances(fmt)})
+    alphabet = "0123456789aefzAFTZ:.-+/@[]%?#_ x"
+    out = list(base)
+    for _ in range(n):
+        text = rng.choice(base)
+        for _ in range(rng.randrange(1, 3)):
+            i = rng.randrange(len(text) + 1)
+            op = rng.randrange(3)
+            ch = rng.choice(alphabet)
+            if op == 0:
+                text = text[:i] + ch + text[i:]
+            elif op == 1:
+                text = text[:i] + text[i + 1 :]
+            else:
+                text = text[:i] + ch + text[i + 1 :]
+        out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", sorted(FORMAT_PATTERNS))
+def test_backends_compile_the_format_pattern_exactly(backend: str, fmt: str) -> None:
+    """Each backend's grammar for the rewritten schema accepts exactly the strings that
+    Python's ``re`` full-matches (the backends' regex dialects agree on these patterns), and
+    ``jsonschema_rs`` accepts all of them."""
+    c = Constraint.from_params(json_schema={"type": "string", "format": fmt})
+    assert c is not None
+    grammar = get_backend(backend)(BYTE_VOCAB).compile(c)
+    for text in _near_misses(fmt, 150, seed=len(fmt)):
+        want = _full(fmt, text)
+        got = grammar_accepts(grammar.new_matcher(), json.dumps(text))
+        assert got == want, f"{backend} {'accepts' if got else 'rejects'} {text!r}"
+        if want:
+            assert _rs_accepts(fmt, text), f"jsonschema_rs rejects {text!r}"
