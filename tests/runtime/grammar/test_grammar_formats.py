@@ -20,6 +20,7 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
+
 import jsonschema
 import jsonschema_rs
 import pytest
@@ -28,6 +29,7 @@ from test_grammar_json_schema_suite import SUITE, serializations
 
 from radixlm.runtime.grammar import Constraint, GrammarError, get_backend
 from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
+from radixlm.runtime.grammar.normalize import normalize_schema
 
 FORMAT_BACKENDS = (*BACKENDS, "auto")
 _CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -282,3 +284,45 @@ def test_backends_compile_the_format_pattern_exactly(backend: str, fmt: str) -> 
         assert got == want, f"{backend} {'accepts' if got else 'rejects'} {text!r}"
         if want:
             assert _rs_accepts(fmt, text), f"jsonschema_rs rejects {text!r}"
+
+
+def _native_cases() -> list[tuple[str, str]]:
+    return [(b, f) for b in BACKENDS for f in sorted(get_backend(b).schema_support.formats)]
+
+
+@pytest.mark.parametrize(("backend", "fmt"), _native_cases())
+def test_native_formats_reject_invalid_instances(backend: str, fmt: str) -> None:
+    """A sibling ``pattern`` keeps the normalizer from rewriting ``format`` (one pattern per
+    schema), so the backend's own format is compiled: each one a backend still claims must
+    reject every invalid suite instance with a pattern beside it too (or strict mode refuses
+    the pair)."""
+    schema = {"type": "string", "format": fmt, "pattern": "^.*$"}
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    try:
+        grammar = get_backend(backend)(BYTE_VOCAB).compile(c)
+    except GrammarError as exc:  # strict mode: this backend drops one of the two
+        assert "(with format)" in str(exc) or "(with pattern)" in str(exc), str(exc)
+        return
+    escaped = [
+        f"{where}: {data!r}"
+        for where, data, valid in _instances(fmt)
+        if not valid
+        and any(grammar_accepts(grammar.new_matcher(), s) for s in serializations(data, {}))
+    ]
+    assert not escaped, f"{backend} accepts invalid {fmt}:\n" + "\n".join(escaped)
+
+
+def test_format_becomes_pattern_only_where_exact() -> None:
+    date = {"type": "string", "format": "date", "title": "d"}
+    assert normalize_schema(date) == {"type": "string", "pattern": FORMAT_PATTERNS["date"],
+                                      "title": "d"}  # fmt: skip
+    with_pattern = {"type": "string", "format": "date", "pattern": "^2"}
+    assert normalize_schema(with_pattern) == with_pattern
+    native = {"type": "string", "format": "duration"}
+    assert normalize_schema(native) == native
+    nested = {"type": "array", "items": {"type": "string", "format": "ipv4"}}
+    assert normalize_schema(nested)["items"] == {
+        "type": "string",
+        "pattern": FORMAT_PATTERNS["ipv4"],
+    }
