@@ -19,7 +19,7 @@ from radixlm.runtime.outputs import GenerateResult
 
 pytestmark = pytest.mark.slow
 
-BACKENDS = ("xgrammar", "outlines")
+BACKENDS = ("xgrammar", "outlines", "llguidance")
 MAX_NEW = 160  # every schema output above is far shorter; finishing by length is a failure
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 _ENGINES: dict[str, Engine] = {}
@@ -164,7 +164,7 @@ def test_regexes_fully_match(engine: Engine) -> None:
 
 def test_ebnf(engine: Engine, backend: str) -> None:
     prompt = chat(engine, "Write an SQL query that finds the name of user 7.")
-    if backend == "outlines":  # regular languages only
+    if backend in ("outlines", "llguidance"):  # regular languages / Lark, not xgrammar's EBNF
         with pytest.raises(ValueError, match="ebnf constraints are not supported"):
             engine.generate(prompt, greedy({"ebnf": EBNF}))
         return

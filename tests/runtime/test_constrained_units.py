@@ -45,14 +45,14 @@ def test_sampling_params_constraint_errors_name_the_field(value, message):
 
 def test_engine_config_and_cli_flags():
     cfg = EngineConfig()
-    assert cfg.grammar_backend == "xgrammar" and cfg.enable_jump_forward
+    assert cfg.grammar_backend == "auto" and cfg.enable_jump_forward
     assert cfg.grammar_timeout_s == 30.0
     with pytest.raises(ValueError, match="grammar_timeout_s"):
         EngineConfig(grammar_timeout_s=0)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     kw = engine_kwargs(parser.parse_args([]))
-    assert kw["grammar_backend"] == "xgrammar" and kw["enable_jump_forward"] is True
+    assert kw["grammar_backend"] == "auto" and kw["enable_jump_forward"] is True
     args = ["--grammar-backend", "outlines", "--disable-jump-forward", "--grammar-timeout-s", "5"]
     kw = engine_kwargs(parser.parse_args(args))
     assert kw["grammar_backend"] == "outlines" and kw["enable_jump_forward"] is False

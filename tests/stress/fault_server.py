@@ -31,7 +31,7 @@ class InjectedThreadDeath(BaseException):
 
 def install() -> None:
     from radixlm.runtime import constrained, detokenizer, model_runner, sampler, scheduler
-    from radixlm.runtime.grammar import xgrammar_backend
+    from radixlm.runtime.grammar import auto_backend
 
     build = sampler.SamplingBatchInfo.build.__func__
 
@@ -85,14 +85,14 @@ def install() -> None:
 
     model_runner.ModelRunner.forward = faulty_forward  # type: ignore[method-assign]
 
-    compile_ = xgrammar_backend.XGrammarBackend.compile
+    compile_ = auto_backend.AutoBackend.compile  # the default backend
 
     def slow_compile(self, constraint):  # type: ignore[no-untyped-def]
         if constraint.kind == "regex" and constraint.spec.startswith("SLOW"):
             time.sleep(5.0)
         return compile_(self, constraint)
 
-    xgrammar_backend.XGrammarBackend.compile = slow_compile  # type: ignore[method-assign]
+    auto_backend.AutoBackend.compile = slow_compile  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

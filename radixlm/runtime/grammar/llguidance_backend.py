@@ -174,7 +174,7 @@ class LLGuidanceBackend(GrammarBackend):
     def grammar(self, c: Constraint) -> str:
         """llguidance's grammar text for ``c`` (cheap: no parsing yet)."""
         if c.kind == "json_schema":
-            return self._json_grammar(prepared_schema_text(c.spec, lower=False), c)
+            return self._json_grammar(prepared_schema_text(c.spec), c)
         if c.kind == "json_object":
             return self._json_grammar('{"type":"object"}', c)
         if c.kind == "regex":
@@ -205,7 +205,7 @@ class LLGuidanceBackend(GrammarBackend):
         auto = spec.mode == "auto"
         rules = []
         for i, tool in enumerate(spec.tools):
-            schema = json.loads(prepared_schema_text(tool.parameters, lower=False))
+            schema = json.loads(prepared_schema_text(tool.parameters))
             schema = {**schema, "x-guidance": options} if isinstance(schema, dict) else {}
             head = call_begin(tool.name)[len(TRIGGER) if auto else 0 :]
             rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} "

@@ -621,23 +621,31 @@ def _type_ok(s: dict[str, Any], values: list[Any]) -> bool:
 
 
 def lower_for_backends(schema: Any, depth: int = 0) -> Any:
-    """Drop ``properties`` entries that are ``false`` where the property cannot be generated
-    anyway (no ``additionalProperties`` / ``patternProperties`` admitting it: the backends
-    generate declared properties only). A ``false`` entry that is also required makes the
-    object unsatisfiable: it is kept (the backend then refuses the schema)."""
+    """Make "declared properties only" explicit, then use it. Every backend generates only
+    declared properties (over-strict, like OpenAI's strict mode): a schema with ``properties``
+    and no ``additionalProperties`` / ``unevaluatedProperties`` gets ``additionalProperties:
+    false`` (xgrammar and outlines behave so anyway; llguidance would otherwise generate extra
+    keys). Then ``properties`` entries that are ``false`` are dropped where the property cannot
+    be generated anyway (the backends cannot compile ``false``). A ``false`` entry that is also
+    required makes the object unsatisfiable: it is kept (the backend then refuses the
+    schema)."""
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return schema
     out = map_subschemas(schema, lambda v: lower_for_backends(v, depth + 1))
     props = out.get("properties")
     if (
         isinstance(props, dict)
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    if (
+        isinstance(props, dict)
         and "patternProperties" not in out
-        and out.get("additionalProperties", False) is False
+        and out.get("additionalProperties") is False
     ):
         required = out.get("required", [])
         kept = {k: v for k, v in props.items() if v is not False or k in required}
         if len(kept) < len(props):
             out["properties"] = kept
-            if not kept:  # no declared property left: say "none" (over-strict at worst)
-                out["additionalProperties"] = False
     return out

@@ -466,8 +466,8 @@ OUTLINES_SUPPORT = SchemaSupport(
 # Measured with llguidance 1.9 (it refuses by itself what it does not implement: ``not``,
 # ``if`` / ``then`` / ``else``, ``contains``, ``uniqueItems``, ``propertyNames``, the
 # ``dependent*`` keywords, ``unevaluated*``; the normalizer rewrites most of those first). It
-# intersects sibling keywords, applies type-specific keywords without "type", and generates
-# undeclared ``required`` properties from ``additionalProperties``.
+# intersects sibling keywords, applies type-specific keywords without "type" and searches
+# patterns. It is given the same "declared properties only" schema as the others.
 LLGUIDANCE_SUPPORT = SchemaSupport(
     keywords=_COMMON | (_XGRAMMAR_EXTRA - {"propertyNames"}) | {"maxProperties"},
     formats=frozenset(
@@ -483,6 +483,5 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
     max_all_of=1_000,
     alone={},
     needs_type=False,
-    declared_properties_only=False,
     pattern_search=True,
 )
