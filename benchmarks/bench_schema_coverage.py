@@ -147,7 +147,12 @@ def check_instances(compiled: Any, schema: Any, tests: list[dict[str, Any]]) -> 
 
 
 def _reason(message: str) -> str:
-    """The first keyword a refusal names (``... cannot enforce: KEYWORD (at #/...)``)."""
+    """The first keyword a refusal names (``... cannot enforce: KEYWORD (at #/...)``); for the
+    auto backend, the first backend's reason."""
+    if message.startswith("no grammar backend"):
+        message = message.split(": ", 2)[-1]
+    if message.startswith("invalid json_schema: "):
+        return message.removeprefix("invalid json_schema: ")[:50]
     m = re.search(r"cannot enforce: (.+?) \(at ", message)
     if m:
         return re.split(r"[ :(]", m.group(1).strip())[0]
@@ -245,6 +250,71 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
     return table
 
 
+@dataclass
+class Generation:
+    subset: str
+    file: str
+    status: str  # "valid" | "cut" (finished by max_tokens) | "invalid" | "error"
+    detail: str = ""
+
+
+def generate(
+    picked: list[tuple[str, Path]], accepted: set[str], per_subset: int, max_tokens: int
+) -> list[Generation]:
+    """On the default model (engine defaults: the ``auto`` grammar backend, strict mode), one
+    sampled generation per accepted schema (``per_subset`` of each subset, one batch): the
+    output is parsed and validated with ``jsonschema`` and its format checker."""
+    import jsonschema
+
+    from radixlm import Engine, SamplingParams
+
+    chosen: list[tuple[str, Path]] = []
+    for subset in dict.fromkeys(s for s, _ in picked):
+        files = [(s, p) for s, p in picked if s == subset and f"{s}/{p.name}" in accepted]
+        chosen += files[:per_subset]
+    engine = Engine(None, num_threads=2)
+    try:
+        prompts, params = [], []
+        for i, (_, path) in enumerate(chosen):
+            text = path.read_text()
+            shown = text if len(text) <= 3000 else text[:3000] + " ..."
+            ask = f"Write one JSON value that matches this JSON schema:\n{shown}"
+            prompts.append(engine.apply_chat_template([{"role": "user", "content": ask}]))
+            params.append(SamplingParams(max_new_tokens=max_tokens, temperature=0.7, seed=i,
+                                         constraint={"json_schema": text}))  # fmt: skip
+        results = engine.generate(prompts, params)
+    finally:
+        engine.shutdown()
+    out = []
+    for (subset, path), r in zip(chosen, results):
+        schema = json.loads(path.read_text())
+        if r.error is not None:
+            out.append(Generation(subset, path.name, "error", str(r.error)[:200]))
+            continue
+        if r.finish_reason == "length":
+            out.append(Generation(subset, path.name, "cut"))
+            continue
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        try:
+            errors = list(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(
+                json.loads(r.text)))  # fmt: skip
+        except ValueError as exc:  # not JSON at all
+            errors = [exc]
+        detail = "; ".join(str(getattr(e, "message", e))[:100] for e in errors[:2])
+        out.append(Generation(subset, path.name, "invalid" if errors else "valid", detail))
+    return out
+
+
+def generation_table(gens: list[Generation]) -> dict[str, dict[str, float]]:
+    table = {}
+    for subset in [*dict.fromkeys(g.subset for g in gens), "ALL"]:
+        rows = [g for g in gens if subset in ("ALL", g.subset)]
+        counts = Counter(g.status for g in rows)
+        table[subset] = {"n": len(rows), **{k: counts.get(k, 0) for k in
+                                            ("valid", "cut", "invalid", "error")}}  # fmt: skip
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     where = ap.add_mutually_exclusive_group(required=True)
@@ -253,9 +323,13 @@ def main() -> None:
     ap.add_argument("--subsets", default=",".join(DEV_SUBSETS))
     ap.add_argument("--per-subset", type=int, default=25)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backends", default="xgrammar,outlines")
+    ap.add_argument("--backends", default="auto,llguidance,xgrammar,outlines")
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="also generate on the default model for N accepted schemas per subset "
+                    "(those the first backend of --backends accepted)")  # fmt: skip
+    ap.add_argument("--max-tokens", type=int, default=256)
     args = ap.parse_args()
 
     subsets = args.subsets.split(",")
@@ -295,10 +369,29 @@ def main() -> None:
     for key, row in table.items():
         if key.endswith("/ALL"):
             print(f"refused by {key}: " + ", ".join(f"{r} {n}" for r, n in row["refusals"]))
+    gens: list[Generation] = []
+    if args.generate:
+        first = args.backends.split(",")[0]
+        accepted = {f"{o.subset}/{o.file}" for o in outcomes
+                    if o.backend == first and o.status == "accepted"}  # fmt: skip
+        gens = generate(picked, accepted, args.generate, args.max_tokens)
+        print(f"\ngeneration ({first} accepted, default model, temperature 0.7, "
+              f"max_tokens {args.max_tokens}):")  # fmt: skip
+        print(f"{'subset':<16} {'n':>4} {'valid':>7} {'cut':>7} {'invalid':>7} {'error':>6}")
+        for subset, row in generation_table(gens).items():
+            n = max(row["n"], 1)
+            valid, cut = 100 * row["valid"] / n, 100 * row["cut"] / n
+            print(f"{subset:<16} {row['n']:>4} {valid:>6.1f}% {cut:>6.1f}% "
+                  f"{row['invalid']:>7} {row['error']:>6}")  # fmt: skip
+        for g in gens:
+            if g.status in ("invalid", "error"):
+                print(f"  {g.status}: {g.subset}/{g.file}: {g.detail}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         result = {"args": {k: str(v) for k, v in vars(args).items()}, "table": table,
-                  "outcomes": [asdict(o) for o in outcomes]}  # fmt: skip
+                  "outcomes": [asdict(o) for o in outcomes],
+                  "generation": generation_table(gens) if gens else {},
+                  "generations": [asdict(g) for g in gens]}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=1))
 
 

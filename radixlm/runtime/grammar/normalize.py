@@ -23,6 +23,9 @@ refuses it by name. Rewrites, bottom-up:
 - ``uniqueItems`` on arrays whose items come from a finite set (``enum`` / ``const`` /
   boolean) of at most 4 values -> an ``enum`` of every array the original schema accepts
   (each checked with ``jsonschema``).
+- ``not`` of ``{}``, ``required``, ``type`` and ``anyOf`` / ``allOf`` of those -> the cases of
+  its negation (``false``; "one listed property absent"; the other types), merged into the
+  schema as a disjoint-or-not ``anyOf`` (anyOf needs no disjointness).
 - ``format`` values that no draft defines (``"url"``, ``"semver"``, ...) are annotations for
   every validator: dropped.
 - ``format`` with an exact (or over-strict) regex in ``formats.FORMAT_PATTERNS`` (date, time,
@@ -190,7 +193,7 @@ class _Normalizer:
         steps = (
             self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
             self._declare_required, self._unique_items, self._if_then_else, self._dependencies,
-            self._distribute, self._finite,
+            self._not, self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
             if not isinstance(s, dict):
@@ -539,6 +542,17 @@ class _Normalizer:
         rest = {k: v for k, v in s.items() if k not in VALIDATION_KEYWORDS and k != "const"}
         return {**rest, "enum": kept}
 
+    def _not(self, s: dict[str, Any], depth: int) -> Any:
+        """``not`` rewritten as the cases of its negation (``_negation``) merged with the
+        rest of ``s``; kept when a case has no exact form or does not merge."""
+        if "not" not in s or "not" not in self.draft.keywords:
+            return s
+        cases = _negation(self.inline(s["not"], depth))
+        if cases is None:
+            return s
+        out = self._branches({k: v for k, v in s.items() if k != "not"}, cases, depth)
+        return s if out is None else out
+
     def _dependencies(self, s: dict[str, Any], depth: int) -> Any:
         deps: list[tuple[str, Any]] = []  # (trigger, dependent schema)
         rest = dict(s)
@@ -564,6 +578,65 @@ class _Normalizer:
             cases.append(case)
         out = self._branches(rest, cases, depth)
         return s if out is None else out
+
+
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
+_MAX_NOT_CASES = 8
+
+
+def _negation(n: Any) -> list[list[Any]] | None:
+    """``not n`` as a disjunction of conjunctions (cases of schemas to intersect), or None when
+    it has no exact form here. Handled: ``{}`` / ``true`` (nothing), ``false`` (anything),
+    ``required`` (one listed property absent, on an object), ``type`` (the other types),
+    ``anyOf`` (every member negated), ``allOf`` and several keywords (one of them negated)."""
+    if n is True:
+        return []
+    if n is False:
+        return [[]]
+    if not isinstance(n, dict):
+        return None
+    keys = [k for k in n if k not in _ANNOTATIONS and not _asserts_nothing(k, n[k])]
+    if not keys:
+        return []
+    if len(keys) > 1:  # not (A and B) == not A or not B, one keyword each
+        parts = [_negation({k: n[k]}) for k in keys]
+        if any(p is None for p in parts):
+            return None
+        cases = [c for p in parts for c in p if p is not None]
+        return cases if len(cases) <= _MAX_NOT_CASES else None
+    (key,) = keys
+    value = n[key]
+    if key == "required" and isinstance(value, list):
+        return [[{"type": "object", "properties": {name: False}}] for name in dict.fromkeys(value)]
+    if key == "type":
+        types = set(value) if isinstance(value, list) else {value}
+        if "integer" in types and "number" not in types:
+            return None  # "non-integer numbers" has no type
+        rest = [t for t in _JSON_TYPES if t not in types]
+        return [[{"type": rest}]] if rest else []
+    if key == "allOf" and isinstance(value, list):
+        parts = [_negation(m) for m in value]
+        if any(p is None for p in parts):
+            return None
+        cases = [c for p in parts for c in p if p is not None]
+        return cases if len(cases) <= _MAX_NOT_CASES else None
+    if key == "anyOf" and isinstance(value, list):
+        out: list[list[Any]] = [[]]
+        for m in value:  # not (A or B) == not A and not B: the cross product of their cases
+            p = _negation(m)
+            if p is None or len(out) * len(p) > _MAX_NOT_CASES:
+                return None
+            out = [a + b for a in out for b in p]
+        return out
+    return None
+
+
+def _asserts_nothing(key: str, value: Any) -> bool:
+    """``properties`` of any-value schemas (``_declare_required`` adds those) and an any-value
+    ``additionalProperties`` / ``items`` constrain nothing."""
+    if key == "properties" and isinstance(value, dict):
+        return all(v is True or v == {} for v in value.values())
+    return key in ("additionalProperties", "items") and (value is True or value == {})
 
 
 def _required_and_forbidden(s: Any) -> bool:

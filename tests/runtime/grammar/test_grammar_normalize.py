@@ -27,6 +27,25 @@ OBJ = {"type": "object"}
 
 # name -> (schema, instances; each written in the schema's property order)
 CASES: dict[str, tuple[dict[str, Any], list[Any]]] = {
+    "not required (one property absent)": (
+        {**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+         "not": {"required": ["a", "b"]}},
+        [{}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"a": "x"}],
+    ),
+    "not anyOf of requireds": (
+        {**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "c": {}},
+         "not": {"anyOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+        [{}, {"a": 1}, {"b": 2}, {"c": 3}, {"a": 1, "b": 2}],
+    ),
+    "not {} forbids a property": (
+        {**OBJ, "properties": {"a": {"type": "integer"}, "gone": {"not": {}}},
+         "additionalProperties": False},
+        [{}, {"a": 1}, {"gone": 1}, {"a": 1, "gone": None}],
+    ),
+    "not type": (
+        {**OBJ, "properties": {"v": {"not": {"type": ["number", "string"]}}}, "required": ["v"]},
+        [{"v": 1}, {"v": 1.5}, {"v": "s"}, {"v": None}, {"v": True}, {"v": [1]}, {"v": {}}],
+    ),
     "allOf merged": (
         {
             "allOf": [
