@@ -29,7 +29,7 @@ refuses it by name. Rewrites, bottom-up:
 - ``format`` values that no draft defines (``"url"``, ``"semver"``, ...) are annotations for
   every validator: dropped.
 - ``format`` with an exact (or over-strict) regex in ``formats.FORMAT_PATTERNS`` (date, time,
-  date-time, uuid, ipv4, ipv6, hostname) and no sibling ``pattern`` -> that ``pattern``.
+  date-time, uuid, ipv4, ipv6, hostname, uri) and no sibling ``pattern`` -> that ``pattern``.
 - ``required`` names that ``properties`` does not declare are declared, with the
   ``additionalProperties`` schema (or any value), when no ``patternProperties`` is present.
 
