@@ -68,6 +68,8 @@ _MAX_DISTRIBUTED_BYTES = 256 * 1024
 _HOST = ("$schema", "$id", "$defs", "definitions", "$comment", "title", "description",
          "default", "examples")  # fmt: skip
 _ANNOTATIONS = frozenset({*_HOST, "deprecated", "readOnly", "writeOnly", "$anchor"})
+_REF_ANNOTATIONS = frozenset({"$schema", "$comment", "title", "description", "default",
+                              "examples", "deprecated", "readOnly", "writeOnly"})  # fmt: skip
 _MIN = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
 _MAX = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
 # Keyword groups whose meaning depends on each other: only one merge side may use them.
@@ -149,7 +151,20 @@ def normalize_schema(schema: Any) -> Any:
     """An equivalent schema with more keywords in enforceable form (see the module docstring)."""
     if not isinstance(schema, dict):
         return schema
-    return _Normalizer(_Draft(schema), _movable(schema)).node(copy.deepcopy(schema), 0)
+    draft = _Draft(schema)
+    body = _drop_inner_dialects(copy.deepcopy(schema), 0)
+    return _Normalizer(draft, _movable(schema)).node(body, 0)
+
+
+def _drop_inner_dialects(s: Any, depth: int) -> Any:
+    """``$schema`` below the root of a schema without embedded resources (no ``$id`` there) is
+    ignored by validators: dropped, so that such subschemas merge."""
+    if not isinstance(s, dict) or depth > _MAX_DEPTH:
+        return s
+    out = map_subschemas(s, lambda v: _drop_inner_dialects(v, depth + 1))
+    if depth and "$schema" in out and "$id" not in out and "id" not in out:
+        del out["$schema"]
+    return out
 
 
 class _Normalizer:
@@ -705,6 +720,12 @@ def lower_for_backends(schema: Any, depth: int = 0) -> Any:
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return schema
     out = map_subschemas(schema, lambda v: lower_for_backends(v, depth + 1))
+    if "$ref" in out:  # annotations beside a $ref (llguidance refuses siblings of a cyclic one)
+        out = {
+            k: v
+            for k, v in out.items()
+            if k not in _REF_ANNOTATIONS or (k == "$schema" and not depth)
+        }
     props = out.get("properties")
     if (
         isinstance(props, dict)
