@@ -9,14 +9,19 @@ Notes on xgrammar 0.2.8:
 - ``tool_calls`` compiles to a structural tag: each tool is a tag (``call_begin(name)``, the
   arguments' own JSON grammar as EBNF, ``CALL_END``); ``required`` is tags-with-separator (no
   other text), ``auto`` is triggered tags (free text until ``<tool_call>``).
+- Its JSON-schema ``pattern`` conversion (not its regex constraints) gets an optional group
+  holding ``*`` / ``+`` wrong (``^(?:ab*)?a$`` accepts ``"ba"``); ``{0,1}`` is right, so
+  schema patterns are given ``(...){0,1}`` for ``(...)?``.
 - ``find_jump_forward_string`` raises when the forced text ends inside a UTF-8 character or
   after termination; both are treated as "nothing forced".
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from typing import Any
 
 import torch
 import xgrammar as xgr
@@ -35,6 +40,7 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.normalize import map_subschemas
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
@@ -53,6 +59,47 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
 def _clean(exc: BaseException) -> str:
     """xgrammar's C++ message without its timestamp / source-location prefix."""
     return _LOG_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
+
+
+def optional_groups_bounded(pattern: str) -> str:
+    """``pattern`` with every ``)?`` (an optional group) written ``){0,1}`` (same language);
+    escapes and character classes are left alone."""
+    out, i, n, in_class = [], 0, len(pattern), False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":
+                out.append("[]")
+                i += 2
+                continue
+        elif ch == ")" and pattern[i + 1 : i + 2] == "?":
+            out.append("){0,1}")
+            i += 2
+            continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _bounded_optional_groups(schema: Any, depth: int = 0) -> Any:
+    """``optional_groups_bounded`` on every ``pattern`` / ``patternProperties`` of a schema."""
+    if not isinstance(schema, dict) or depth > 128:
+        return schema
+    out = map_subschemas(schema, lambda v: _bounded_optional_groups(v, depth + 1))
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = optional_groups_bounded(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {
+            optional_groups_bounded(k): v for k, v in out["patternProperties"].items()
+        }
+    return out
 
 
 def _compact_builtin_json(ebnf: str) -> str:
@@ -160,7 +207,10 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def _json_grammar(c: Constraint) -> xgr.Grammar:
-        schema = prepared_schema_text(c.spec) if c.kind == "json_schema" else '{"type":"object"}'
+        schema = '{"type":"object"}'
+        if c.kind == "json_schema":
+            parsed = _bounded_optional_groups(json.loads(prepared_schema_text(c.spec)))
+            schema = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
         if c.whitespace == "any":
             return xgr.Grammar.from_json_schema(
                 schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE
