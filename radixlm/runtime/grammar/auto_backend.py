@@ -70,8 +70,7 @@ class AutoBackend(GrammarBackend):
         reasons: list[str] = []
         for backend in self.backends:
             try:
-                backend.validate(constraint)
-                return backend.compile(constraint)
+                return backend.compile(constraint)  # it checks the constraint first
             except GrammarError as exc:
                 reasons.append(f"{backend.name}: {exc}")
         raise GrammarError(_refusal(constraint, reasons))

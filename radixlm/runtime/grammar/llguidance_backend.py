@@ -241,8 +241,8 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
         start = time.perf_counter()
         self.check_semantics(constraint)
-        grammar = self._checked_grammar(constraint)
-        template = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        # NOTE: building the matcher reports what validate_grammar would (at the same cost).
+        template = llg.LLMatcher(self.tokenizer, self.grammar(constraint), log_level=0)
         if template.is_error():
             raise GrammarError(f"invalid {constraint.kind}: {_clean(template.get_error())}")
         return LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)

@@ -333,6 +333,13 @@ DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
 
 @functools.lru_cache(maxsize=512)
+def _metaschema_checked(spec: str) -> None:
+    """``check_metaschema`` of schema text, remembered when it passes (validation at request
+    time and the compile after it check the same text; big schemas take ~100 ms)."""
+    check_metaschema(json.loads(spec))
+
+
+@functools.lru_cache(maxsize=512)
 def prepared_schema_text(spec: str, lower: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
     rewrites), then (``lower``: for backends that generate declared properties only)
@@ -358,7 +365,7 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
         raise GrammarError("invalid JSON schema: `false` matches nothing")
     # NOTE: before the metaschema check, which recurses (a deep schema would overflow it).
     check_json_shape(schema, "JSON schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
-    check_metaschema(schema)
+    _metaschema_checked(spec)
     schema = json.loads(prepared_schema_text(spec, support.declared_properties_only))
     if schema is False:
         raise GrammarError("JSON schema matches nothing (after merging its subschemas)")
