@@ -151,9 +151,8 @@ def normalize_schema(schema: Any) -> Any:
     """An equivalent schema with more keywords in enforceable form (see the module docstring)."""
     if not isinstance(schema, dict):
         return schema
-    draft = _Draft(schema)
     body = _drop_inner_dialects(copy.deepcopy(schema), 0)
-    return _Normalizer(draft, _movable(schema)).node(body, 0)
+    return _Normalizer(_Draft(body), _movable(schema)).node(copy.deepcopy(body), 0)
 
 
 def _drop_inner_dialects(s: Any, depth: int) -> Any:
@@ -208,7 +207,7 @@ class _Normalizer:
         steps = (
             self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
             self._declare_required, self._unique_items, self._if_then_else, self._dependencies,
-            self._not, self._distribute, self._finite,
+            self._not, self._implied_type, self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
             if not isinstance(s, dict):
@@ -556,6 +555,29 @@ class _Normalizer:
             return False
         rest = {k: v for k, v in s.items() if k not in VALIDATION_KEYWORDS and k != "const"}
         return {**rest, "enum": kept}
+
+    def _implied_type(self, s: dict[str, Any], depth: int) -> Any:
+        """A ``type`` beside an ``anyOf`` / ``oneOf`` whose every branch (a ``$ref`` followed)
+        already states a type within it is dropped (exact; llguidance cannot intersect a
+        sibling with a recursive reference)."""
+        types = s.get("type")
+        wanted = set(types) if isinstance(types, list) else {types}
+        if "number" in wanted:
+            wanted.add("integer")
+        for key in ("anyOf", "oneOf"):
+            branches = s.get(key)
+            if not isinstance(branches, list) or not branches:
+                continue
+            for b in branches:
+                if isinstance(b, dict) and isinstance(b.get("$ref"), str):
+                    b = resolve_pointer(self.draft.root, b["$ref"])
+                t = b.get("type") if isinstance(b, dict) else None
+                stated = set(t) if isinstance(t, list) else {t}
+                if t is None or not stated <= wanted:
+                    break
+            else:
+                return {k: v for k, v in s.items() if k != "type"}
+        return s
 
     def _not(self, s: dict[str, Any], depth: int) -> Any:
         """``not`` rewritten as the cases of its negation (``_negation``) merged with the

@@ -326,3 +326,23 @@ def test_ref_siblings_and_draft4_bounds() -> None:
                                      "maxLength": 3}  # fmt: skip
     bound = {"$schema": draft4, "type": "integer", "minimum": 5, "exclusiveMinimum": True}
     assert normalize_schema(bound) == {"$schema": draft4, "type": "integer", "exclusiveMinimum": 5}
+
+
+def test_implied_type_beside_refs_is_dropped_and_inner_dialects_too() -> None:
+    a = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    schema = {
+        "$schema": DRAFT7,
+        "definitions": {"a": a, "b": {"$schema": DRAFT7, "type": "string"}},
+        "type": "object",
+        "properties": {
+            "v": {"type": ["object", "string"], "anyOf": [{"$ref": "#/definitions/a"},
+                                                           {"$ref": "#/definitions/b"}]},
+            "w": {"type": "object", "anyOf": [{"$ref": "#/definitions/a"}, {"minimum": 1}]},
+        },
+    }  # fmt: skip
+    out = normalize_schema(schema)
+    assert "type" not in out["properties"]["v"]  # every branch states a type within it
+    assert out["properties"]["w"]["type"] == "object"  # a branch without a type: kept
+    assert "$schema" not in out["definitions"]["b"] and out["$schema"] == DRAFT7
+    for inst in [{"v": {"x": 1}}, {"v": "s"}, {"v": 3}, {"w": {}}, {"w": 2}]:
+        assert _valid(schema, inst) == _valid(out, inst), inst
