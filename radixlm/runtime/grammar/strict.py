@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,11 +187,10 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
     return found
 
 
-def _regex_features(pattern: str) -> set[str]:
-    """Which of "lookaround", "inner anchor", "top-level |" a regex uses (escapes and
-    character classes skipped)."""
-    found: set[str] = set()
-    depth, i, n = 0, 0, len(pattern)
+def regex_syntax_positions(pattern: str) -> Iterator[int]:
+    """Indices of the characters of ``pattern`` that are syntax: outside escapes (``\\x``) and
+    outside character classes (a class's own ``[`` is yielded, its contents are not)."""
+    i, n = 0, len(pattern)
     in_class = False
     while i < n:
         ch = pattern[i]
@@ -199,11 +199,23 @@ def _regex_features(pattern: str) -> set[str]:
             continue
         if in_class:
             in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "]":
-                i += 1
-        elif ch == "(":
+        else:
+            yield i
+            if ch == "[":
+                in_class = True
+                if pattern[i + 1 : i + 2] == "]":
+                    i += 1
+        i += 1
+
+
+def _regex_features(pattern: str) -> set[str]:
+    """Which of "lookaround", "inner anchor", "top-level |" a regex uses (escapes and
+    character classes skipped)."""
+    found: set[str] = set()
+    depth, n = 0, len(pattern)
+    for i in regex_syntax_positions(pattern):
+        ch = pattern[i]
+        if ch == "(":
             if pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!"):
                 found.add("lookaround")
             depth += 1
@@ -215,7 +227,6 @@ def _regex_features(pattern: str) -> set[str]:
             found.add("inner anchor")
         elif ch == "$" and i != n - 1:
             found.add("inner anchor")
-        i += 1
     return found
 
 

@@ -41,7 +41,11 @@ from radixlm.runtime.grammar.base import (
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 from radixlm.runtime.grammar.normalize import map_subschemas
-from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.strict import (
+    XGRAMMAR_SUPPORT,
+    prepared_schema_text,
+    regex_syntax_positions,
+)
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
     CALL_END,
@@ -64,28 +68,12 @@ def _clean(exc: BaseException) -> str:
 def optional_groups_bounded(pattern: str) -> str:
     """``pattern`` with every ``)?`` (an optional group) written ``){0,1}`` (same language);
     escapes and character classes are left alone."""
-    out, i, n, in_class = [], 0, len(pattern), False
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "]":
-                out.append("[]")
-                i += 2
-                continue
-        elif ch == ")" and pattern[i + 1 : i + 2] == "?":
-            out.append("){0,1}")
-            i += 2
-            continue
-        out.append(ch)
-        i += 1
-    return "".join(out)
+    cuts = [i for i in regex_syntax_positions(pattern) if pattern[i : i + 2] == ")?"]
+    out, last = [], 0
+    for i in cuts:
+        out += [pattern[last:i], "){0,1}"]
+        last = i + 2
+    return "".join([*out, pattern[last:]])
 
 
 def _bounded_optional_groups(schema: Any, depth: int = 0) -> Any:
