@@ -11,8 +11,9 @@ Notes on llguidance 1.9:
   keywords it accepts but does not enforce as we need, see ``LLGUIDANCE_SUPPORT``). ``oneOf`` is
   an error unless ``coerce_one_of`` (generate it as ``anyOf``): we set it, since strict mode
   admits a ``oneOf`` only when its branches are proved disjoint (then the two agree).
-- A matcher that consumes a token the grammar forbids enters a permanent error state, so
-  ``accept_token`` asks ``validate_tokens`` first. EOS is never passed to llguidance: this
+- A matcher that ``consume_token``s a token the grammar forbids enters a permanent error
+  state, so ``accept_token`` uses ``try_consume_tokens`` (one call; a refusal changes nothing).
+  EOS is never passed to llguidance: this
   wrapper accepts it (when the text is a full match) and tracks termination itself, because
   llguidance also reports "stopped" for a grammar that can only end.
 - Building a matcher parses the grammar (up to ~1 s for huge schemas); a compiled grammar keeps
@@ -128,9 +129,8 @@ class LLGuidanceMatcher(GrammarMatcher):
                 return False
             self._terminated = True
             return True
-        if self._m.validate_tokens([token_id]) != 1:
-            return False
-        if not self._m.consume_token(token_id):
+        # NOTE: unlike consume_token, a refused token leaves the matcher usable.
+        if self._m.try_consume_tokens([token_id]) != 1:
             self._check()
             return False
         self._accepted += 1
