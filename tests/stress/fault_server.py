@@ -7,6 +7,8 @@ request can be mixed into a batch of good ones:
 - seed 7002: the grammar step raises while advancing this request's matcher;
 - seed 7003: the detokenizer raises on this request's first token;
 - seed 7004: the engine's step thread dies (a BaseException escapes the step loop);
+- seed 7005: every sampling step this request is part of sleeps 50 ms (a request that stays in
+  flight for seconds however fast the machine, for tests that act on it while it runs);
 - prompt token ids FORWARD (three rare ids in a row) anywhere in a batch: the model forward
   raises (a batch-level fault caused by one request);
 - a regex starting with `SLOW`: the grammar backend's compile sleeps 5 s (a compile timeout).
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-SAMPLE, GRAMMAR, DETOK, DIE = 7001, 7002, 7003, 7004
+SAMPLE, GRAMMAR, DETOK, DIE, SLOW = 7001, 7002, 7003, 7004, 7005
 FORWARD = [49100, 49101, 49102]
 
 
@@ -38,6 +40,8 @@ def install() -> None:
     def faulty_build(cls, params, *args, **kwargs):  # type: ignore[no-untyped-def]
         if any(p.seed == SAMPLE for p in params):
             raise RuntimeError("injected sampling fault")
+        if any(p.seed == SLOW for p in params):
+            time.sleep(0.05)
         return build(cls, params, *args, **kwargs)
 
     sampler.SamplingBatchInfo.build = classmethod(faulty_build)  # type: ignore[method-assign]

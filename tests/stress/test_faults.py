@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fault_server import DETOK, DIE, FORWARD, GRAMMAR, SAMPLE
+from fault_server import DETOK, DIE, FORWARD, GRAMMAR, SAMPLE, SLOW
 from live_server import Server, launch_server
 from stress_support import FAULT_SERVER, assert_clean, normal_request, wait_exit
 
@@ -141,14 +141,21 @@ def test_deadline_aborts_and_frees_pages(stress_server: Server, http: httpx.Clie
 
 
 def test_batch_ids_are_unique_and_abort_one(stress_server: Server, http: httpx.Client) -> None:
-    long_sp = {"max_new_tokens": 60, "ignore_eos": True}
+    long_sp = {"max_new_tokens": 50, "ignore_eos": True, "seed": SLOW}  # >= 2.5 s in flight
+
+    async def in_flight(client: httpx.AsyncClient, n: int) -> None:
+        for _ in range(600):
+            if (await client.get("/get_load")).json()[0]["num_reqs"] >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the batch never reached the engine")
 
     async def main() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=stress_server.url, timeout=60) as client:
             batch = asyncio.ensure_future(
                 client.post(G, json={"text": ["a", "b"], "rid": "job", "sampling_params": long_sp})
             )
-            await asyncio.sleep(0.3)
+            await in_flight(client, 2)
             clash = await client.post(G, json={"text": "c", "rid": "job-1", "sampling_params": SP2})
             abort = await client.post("/abort_request", json={"rid": "job-0"})
             return await batch, clash, abort
