@@ -50,14 +50,16 @@ from typing import Any
 
 from radixlm.runtime.grammar.disjoint import json_equal
 from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
+from radixlm.runtime.grammar.patterns import matches_every_name, names_except, regex_matches
 from radixlm.runtime.grammar.schema_keywords import (
-    SCHEMA_LISTS,
-    SCHEMA_MAPS,
-    SCHEMA_VALUES,
+    ANNOTATIONS,
     SPEC_FORMATS,
     VALIDATION_KEYWORDS,
+    map_subschemas,
     resolve_pointer,
+    strip_annotations,
 )
+from radixlm.runtime.grammar.subsume import SubsetChecker
 
 _MAX_DEPTH = 64
 _MAX_DEPENDENCIES = 3
@@ -68,8 +70,6 @@ _MAX_DISTRIBUTED_BYTES = 256 * 1024
 _HOST = ("$schema", "$id", "$defs", "definitions", "$comment", "title", "description",
          "default", "examples")  # fmt: skip
 _ANNOTATIONS = frozenset({*_HOST, "deprecated", "readOnly", "writeOnly", "$anchor"})
-_REF_ANNOTATIONS = frozenset({"$schema", "$comment", "title", "description", "default",
-                              "examples", "deprecated", "readOnly", "writeOnly"})  # fmt: skip
 _MIN = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
 _MAX = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
 # Keyword groups whose meaning depends on each other: only one merge side may use them.
@@ -87,30 +87,6 @@ _NO_MERGE = frozenset(
     {"$ref", "$dynamicRef", "$recursiveRef", "$id", "$anchor", "$dynamicAnchor", "$defs",
      "definitions", "unevaluatedProperties", "unevaluatedItems", "$schema"}
 )  # fmt: skip
-
-
-def map_subschemas(s: dict[str, Any], fn: Any) -> dict[str, Any]:
-    """A copy of schema object ``s`` with ``fn`` applied to each direct subschema (data values
-    such as ``enum`` / ``const`` / ``default`` are left alone)."""
-    out = dict(s)
-    for key in SCHEMA_MAPS:
-        if isinstance(s.get(key), dict):
-            out[key] = {k: fn(v) for k, v in s[key].items()}
-    for key in SCHEMA_VALUES:
-        if key in s:
-            out[key] = fn(s[key])
-    for key in SCHEMA_LISTS:
-        if isinstance(s.get(key), list):
-            out[key] = [fn(v) for v in s[key]]
-    if isinstance(s.get("items"), list):
-        out["items"] = [fn(v) for v in s["items"]]
-    elif "items" in s:
-        out["items"] = fn(s["items"])
-    if isinstance(s.get("dependencies"), dict):
-        out["dependencies"] = {
-            k: fn(v) if isinstance(v, dict) else v for k, v in s["dependencies"].items()
-        }
-    return out
 
 
 class _Draft:
@@ -172,6 +148,13 @@ class _Normalizer:
         self.movable = movable  # False: only rewrites that move no subschema
         self._inlining: list[str] = []  # references being inlined (cycle guard)
         self._size = 0  # bytes of schema text created by distributing siblings
+        self._subsets: SubsetChecker | None = None
+
+    @property
+    def subsets(self) -> SubsetChecker:
+        if self._subsets is None:
+            self._subsets = SubsetChecker(self.draft.root)
+        return self._subsets
 
     def inline(self, s: Any, depth: int) -> Any:
         """A schema that is only a local ``$ref`` (plus annotations), replaced by its normalized
@@ -203,11 +186,12 @@ class _Normalizer:
             if not isinstance(s, dict) or "$ref" in s:
                 return s
         local = (self._no_ops, self._formats, self._boolean_bounds, self._declare_required,
-                 self._finite)  # fmt: skip
+                 self._pattern_overlaps, self._finite)  # fmt: skip
         steps = (
             self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
-            self._declare_required, self._unique_items, self._if_then_else, self._dependencies,
-            self._not, self._implied_type, self._distribute, self._finite,
+            self._declare_required, self._pattern_overlaps, self._unique_items,
+            self._if_then_else, self._dependencies, self._not, self._implied_type,
+            self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
             if not isinstance(s, dict):
@@ -372,6 +356,50 @@ class _Normalizer:
             return s
         return {**s, "properties": {**props, **{n: extra if extra is not True else {}
                                                 for n in missing}}}  # fmt: skip
+
+    def _pattern_overlaps(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """A declared property's value must satisfy its own schema and that of every
+        ``patternProperties`` pattern matching its name. The backends intersect the two, and
+        llguidance cannot when both hold recursive ``$ref`` s; so where the conjunction is one
+        of the two already:
+
+        - the property's schema equals (annotations aside) every matching pattern's, or they
+          are ``{}``: the property's schema -> ``{}`` (the patterns say it all);
+        - every matching pattern matches every name and its schema is proven a superset
+          (``subsume``) of the property's: those patterns -> ``names_except`` of such
+          properties (the property's schema says it all).
+
+        Matches are decided by ``patterns.regex_matches``; an undecided one keeps the schema."""
+        props, patterns = s.get("properties"), s.get("patternProperties")
+        if not isinstance(props, dict) or not isinstance(patterns, dict) or not patterns:
+            return s
+        bare = {p: strip_annotations(v) for p, v in patterns.items()}
+        out = dict(props)
+        excluded: dict[str, list[str]] = {}
+        for name, schema in props.items():
+            verdicts = {p: regex_matches(p, name) for p in patterns}
+            matching = [p for p, hit in verdicts.items() if hit]
+            if not matching or None in verdicts.values():
+                continue
+            own = strip_annotations(schema)
+            same = [json_equal(own, bare[p]) for p in matching]
+            if any(same) and all(eq or bare[p] in (True, {}) for p, eq in zip(matching, same)):
+                out[name] = {}
+            elif self.movable and all(
+                matches_every_name(p) and self.subsets.subset(schema, patterns[p]) for p in matching
+            ):
+                for p in matching:
+                    excluded.setdefault(p, []).append(name)
+        renamed = {p: names_except(names) for p, names in excluded.items()}
+        if any(r in patterns for r in renamed.values()):
+            renamed = {}
+        if out == props and not renamed:
+            return s
+        return {
+            **s,
+            "properties": out,
+            "patternProperties": {renamed.get(p, p): v for p, v in patterns.items()},
+        }
 
     def _unique_items(self, s: dict[str, Any], depth: int) -> Any:
         if s.get("uniqueItems") is not True or s.get("type") != "array":
@@ -744,9 +772,7 @@ def lower_for_backends(schema: Any, depth: int = 0) -> Any:
     out = map_subschemas(schema, lambda v: lower_for_backends(v, depth + 1))
     if "$ref" in out:  # annotations beside a $ref (llguidance refuses siblings of a cyclic one)
         out = {
-            k: v
-            for k, v in out.items()
-            if k not in _REF_ANNOTATIONS or (k == "$schema" and not depth)
+            k: v for k, v in out.items() if k not in ANNOTATIONS or (k == "$schema" and not depth)
         }
     props = out.get("properties")
     if (

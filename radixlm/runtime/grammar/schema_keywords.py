@@ -3,6 +3,10 @@ disjointness prover (one place for them)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+_MAX_DEPTH = 64
+
 # Keywords that make a JSON-schema validator reject instances.
 VALIDATION_KEYWORDS = frozenset(
     {
@@ -36,6 +40,10 @@ SCHEMA_VALUES = (
     "unevaluatedItems", "contains", "not", "if", "then", "else",
 )  # fmt: skip
 SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+# Keywords that say something about a schema but assert nothing about instances (``$schema``
+# included: inside a schema without embedded resources it changes nothing).
+ANNOTATIONS = frozenset({"$schema", "$comment", "title", "description", "default", "examples",
+                         "deprecated", "readOnly", "writeOnly"})  # fmt: skip
 
 
 def resolve_pointer(root: object, ref: object) -> object | None:
@@ -52,3 +60,36 @@ def resolve_pointer(root: object, ref: object) -> object | None:
         else:
             return None
     return node
+
+
+def map_subschemas(s: dict[str, Any], fn: Any) -> dict[str, Any]:
+    """A copy of schema object ``s`` with ``fn`` applied to each direct subschema (data values
+    such as ``enum`` / ``const`` / ``default`` are left alone)."""
+    out = dict(s)
+    for key in SCHEMA_MAPS:
+        if isinstance(s.get(key), dict):
+            out[key] = {k: fn(v) for k, v in s[key].items()}
+    for key in SCHEMA_VALUES:
+        if key in s:
+            out[key] = fn(s[key])
+    for key in SCHEMA_LISTS:
+        if isinstance(s.get(key), list):
+            out[key] = [fn(v) for v in s[key]]
+    if isinstance(s.get("items"), list):
+        out["items"] = [fn(v) for v in s["items"]]
+    elif "items" in s:
+        out["items"] = fn(s["items"])
+    if isinstance(s.get("dependencies"), dict):
+        out["dependencies"] = {
+            k: fn(v) if isinstance(v, dict) else v for k, v in s["dependencies"].items()
+        }
+    return out
+
+
+def strip_annotations(s: Any, depth: int = 0) -> Any:
+    """``s`` without annotation keywords (titles, descriptions, defaults, ...) at any schema
+    level: two schemas equal after this accept the same instances."""
+    if not isinstance(s, dict) or depth > _MAX_DEPTH:
+        return s
+    out = map_subschemas(s, lambda v: strip_annotations(v, depth + 1))
+    return {k: v for k, v in out.items() if k not in ANNOTATIONS}

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
+from radixlm.runtime.grammar.patterns import regex_matches, regex_syntax_positions
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -187,27 +187,6 @@ def _problems(schema: dict[str, Any], support: SchemaSupport, typed: bool) -> li
     return found
 
 
-def regex_syntax_positions(pattern: str) -> Iterator[int]:
-    """Indices of the characters of ``pattern`` that are syntax: outside escapes (``\\x``) and
-    outside character classes (a class's own ``[`` is yielded, its contents are not)."""
-    i, n = 0, len(pattern)
-    in_class = False
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        else:
-            yield i
-            if ch == "[":
-                in_class = True
-                if pattern[i + 1 : i + 2] == "]":
-                    i += 1
-        i += 1
-
-
 def _regex_features(pattern: str) -> set[str]:
     """Which of "lookaround", "inner anchor", "top-level |" a regex uses (escapes and
     character classes skipped)."""
@@ -246,8 +225,6 @@ def _anchored(pattern: str) -> bool:
 def _pattern_properties_problems(schema: dict[str, Any], patterns: dict[str, Any]) -> list[str]:
     """The backends match a ``patternProperties`` key against the whole name and apply one
     schema per key; JSON Schema searches and applies every matching one (and ``properties``)."""
-    import re
-
     found = [
         f"patternProperties: {p!r} (not anchored with ^...$)" for p in patterns if not _anchored(p)
     ]
@@ -259,11 +236,7 @@ def _pattern_properties_problems(schema: dict[str, Any], patterns: dict[str, Any
     declared = schema.get("properties")
     names = list(declared) if isinstance(declared, dict) else []
     for p in patterns:
-        try:
-            rx = re.compile(p)
-        except re.error:
-            continue
-        if any(rx.search(n) for n in names):
+        if any(regex_matches(p, n) is not False for n in names):  # undecided: may match
             found.append(f"patternProperties: {p!r} (matches a declared property)")
     if len(patterns) > 1:
         found.append("patternProperties (more than one pattern)")

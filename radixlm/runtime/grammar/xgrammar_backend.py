@@ -40,12 +40,9 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
-from radixlm.runtime.grammar.normalize import map_subschemas
-from radixlm.runtime.grammar.strict import (
-    XGRAMMAR_SUPPORT,
-    prepared_schema_text,
-    regex_syntax_positions,
-)
+from radixlm.runtime.grammar.patterns import regex_syntax_positions
+from radixlm.runtime.grammar.schema_keywords import map_subschemas
+from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
     CALL_END,

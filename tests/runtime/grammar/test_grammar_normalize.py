@@ -346,3 +346,56 @@ def test_implied_type_beside_refs_is_dropped_and_inner_dialects_too() -> None:
     assert "$schema" not in out["definitions"]["b"] and out["$schema"] == DRAFT7
     for inst in [{"v": {"x": 1}}, {"v": "s"}, {"v": 3}, {"w": {}}, {"w": 2}]:
         assert _valid(schema, inst) == _valid(out, inst), inst
+
+
+# A recursive object (its "kids" are the root again) and a non-recursive one inside it.
+NODE = {"type": "object", "properties": {"kids": {"$ref": "#"}, "name": {"$ref": "#/$defs/label"}}}
+LEAF = {"type": "object", "properties": {"name": {"$ref": "#/$defs/label"}}, "required": ["name"],
+        "additionalProperties": False}  # fmt: skip
+OVERLAP_DEFS = {"node": NODE, "leaf": LEAF, "label": {"type": "string", "maxLength": 3}}
+PATTERN_OVERLAPS = {
+    # the declared property's schema is the pattern's (annotations aside): -> {}
+    "equal": (
+        {"type": "object", "$defs": OVERLAP_DEFS,
+         "patternProperties": {".*": {"$ref": "#/$defs/node"}},
+         "properties": {"main": {"$ref": "#/$defs/node", "description": "the main node"}}},
+        {"main": {}},
+        [{"main": {"kids": {"a": {"name": "x"}}}}, {"main": {"kids": {"a": {"name": "long"}}}},
+         {"other": {}}, {"other": 1}, {"main": 1}],
+    ),
+    # the declared property's schema is a proven subset of a pattern matching every name:
+    # -> that pattern excludes the property's name
+    "subset": (
+        {"type": "object", "$defs": OVERLAP_DEFS,
+         "patternProperties": {"^[a-z_]*": {"type": "array", "items": {
+             "anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}},
+         "properties": {"redirect": {"type": "array", "maxItems": 1,
+                                     "items": {"$ref": "#/$defs/leaf"}}}},
+        {"redirect": {"type": "array", "maxItems": 1, "items": {"$ref": "#/$defs/leaf"}}},
+        [{"redirect": [{"name": "x"}]}, {"redirect": [{"name": "long"}]}, {"redirect": [None]},
+         {"redirect": []}, {"redirect": [{"name": "x"}, {"name": "y"}]}, {"redirect": [{}]},
+         {"redirects": [None, {"name": "z"}]}, {"r": [{"kids": {}}]}, {"r": [1]}],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PATTERN_OVERLAPS))
+def test_pattern_overlaps_with_recursive_refs(name: str, byte_backends: dict[str, Any]) -> None:
+    """Declared properties under overlapping patterns whose schemas hold recursive ``$ref`` s
+    (which llguidance cannot intersect): rewritten exactly, then enforced exactly."""
+    import llguidance
+
+    schema, props, instances = PATTERN_OVERLAPS[name]
+    plain = llguidance.LLMatcher.grammar_from_json_schema(lower_for_backends(schema))
+    assert llguidance.LLMatcher.validate_grammar(plain), "refused without the rewrite"
+    normalized = normalize_schema(schema)
+    assert normalized["properties"] == props
+    if name == "subset":
+        assert list(normalized["patternProperties"]) != list(schema["patternProperties"])
+    for instance in instances:
+        assert _valid(schema, instance) == _valid(normalized, instance), instance
+    assert {_valid(schema, i) for i in instances} == {True, False}
+    compiled = byte_backends["llguidance"].compile(Constraint.from_params(json_schema=schema))
+    for instance in instances:
+        text = json.dumps(instance, separators=(",", ":"))
+        assert grammar_accepts(compiled.new_matcher(), text) == _valid(schema, instance), text
