@@ -48,9 +48,14 @@ import itertools
 import json
 from typing import Any
 
-from radixlm.runtime.grammar.disjoint import json_equal
+from radixlm.runtime.grammar.disjoint import json_equal, one_of_disjoint
 from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
-from radixlm.runtime.grammar.patterns import matches_every_name, names_except, regex_matches
+from radixlm.runtime.grammar.patterns import (
+    matches_every_name,
+    names_except,
+    pattern_complement,
+    regex_matches,
+)
 from radixlm.runtime.grammar.schema_keywords import (
     ANNOTATIONS,
     SPEC_FORMATS,
@@ -190,7 +195,7 @@ class _Normalizer:
         steps = (
             self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
             self._declare_required, self._pattern_overlaps, self._unique_items,
-            self._if_then_else, self._dependencies, self._not, self._implied_type,
+            self._if_then_else, self._dependencies, self._not, self._one_of, self._implied_type,
             self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
@@ -229,6 +234,8 @@ class _Normalizer:
                 return False
             m = self.inline(m, depth)
             result = self.merge(merged, m, depth) if isinstance(m, dict) else None
+            if result is False:
+                return False
             if result is None:
                 rest.append(m)
             else:
@@ -241,7 +248,8 @@ class _Normalizer:
         return merged
 
     def merge(self, a: dict[str, Any], b: dict[str, Any], depth: int) -> Any:
-        """``a`` and ``b`` as one schema object, or None if that cannot be exact."""
+        """``a`` and ``b`` as one schema object, ``False`` when no instance can satisfy both,
+        or None if that cannot be exact."""
         if any(k in b for k in _NO_MERGE) or any(
             k in a for k in _NO_MERGE - {"$defs", "definitions", "$schema", "$id"}
         ):
@@ -278,8 +286,8 @@ class _Normalizer:
             mine = a[key]
             if key == "type":
                 types = _intersect_types(mine, value)
-                if not types:
-                    return None
+                if not types:  # no instance has both types (when both are well formed)
+                    return False if _type_spec(mine) and _type_spec(value) else None
                 out["type"] = types[0] if len(types) == 1 else types
             elif key in _MIN and _number(mine) and _number(value):
                 out[key] = max(mine, value)
@@ -618,6 +626,33 @@ class _Normalizer:
         out = self._branches({k: v for k, v in s.items() if k != "not"}, cases, depth)
         return s if out is None else out
 
+    def _one_of(self, s: dict[str, Any], depth: int) -> Any:
+        """``oneOf`` whose branches are not proven disjoint, each with an exact negation
+        (``_negation``) -> the ``anyOf`` of each branch and not the others, merged with the rest
+        of ``s`` (exactly one branch holds; the cases are disjoint by construction). Kept when
+        a negation or a merge is not exact, or the cases are too many."""
+        branches = s.get("oneOf")
+        if not isinstance(branches, list) or not 2 <= len(branches) <= _MAX_ONE_OF:
+            return s
+        if "oneOf" not in self.draft.keywords or one_of_disjoint(self.draft.root, s):
+            return s  # disjoint: the backends' anyOf reading is exact already
+        inlined = [self.inline(b, depth) for b in branches]
+        negations = [_negation(b) for b in inlined]
+        cases: list[list[Any]] = []
+        for i, branch in enumerate(inlined):
+            combos: list[list[Any]] = [[branch]]
+            for j, negation in enumerate(negations):
+                if j == i:
+                    continue
+                if negation is None:
+                    return s
+                combos = [c + case for c in combos for case in negation]
+                if len(combos) > _MAX_NOT_CASES:
+                    return s
+            cases += combos
+        out = self._branches({k: v for k, v in s.items() if k != "oneOf"}, cases, depth)
+        return s if out is None else out
+
     def _dependencies(self, s: dict[str, Any], depth: int) -> Any:
         deps: list[tuple[str, Any]] = []  # (trigger, dependent schema)
         rest = dict(s)
@@ -647,12 +682,14 @@ class _Normalizer:
 
 _JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
 _MAX_NOT_CASES = 8
+_MAX_ONE_OF = 4
 
 
 def _negation(n: Any) -> list[list[Any]] | None:
     """``not n`` as a disjunction of conjunctions (cases of schemas to intersect), or None when
     it has no exact form here. Handled: ``{}`` / ``true`` (nothing), ``false`` (anything),
-    ``required`` (one listed property absent, on an object), ``type`` (the other types),
+    ``required`` (an object, one listed property absent), ``type`` (the other types),
+    ``pattern`` of one character class (a string of the complement, ``pattern_complement``),
     ``anyOf`` (every member negated), ``allOf`` and several keywords (one of them negated)."""
     if n is True:
         return []
@@ -672,7 +709,11 @@ def _negation(n: Any) -> list[list[Any]] | None:
     (key,) = keys
     value = n[key]
     if key == "required" and isinstance(value, list):
+        # non-objects satisfy `required`, so they fail its negation
         return [[{"type": "object", "properties": {name: False}}] for name in dict.fromkeys(value)]
+    if key == "pattern" and isinstance(value, str):  # non-strings match any pattern
+        other = pattern_complement(value)
+        return None if other is None else [[{"type": "string", "pattern": other}]]
     if key == "type":
         types = set(value) if isinstance(value, list) else {value}
         if "integer" in types and "number" not in types:
@@ -719,6 +760,10 @@ def _required_and_forbidden(s: Any) -> bool:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _type_spec(t: Any) -> bool:
+    return isinstance(t, str) or (isinstance(t, list) and all(isinstance(x, str) for x in t))
 
 
 def _intersect_types(a: Any, b: Any) -> list[str]:

@@ -19,25 +19,45 @@ _SYNTAX = frozenset("\\^$.|?*+()[]{}/")
 _CLASS_SYNTAX = frozenset("\\]^-[")
 
 
+def regex_atoms(pattern: str) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each top-level piece of ``pattern``: an escape (``\\x``), a
+    character class (``[...]``, a ``]`` right after ``[`` / ``[^`` being literal) or one other
+    character (syntax or literal)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\":
+            yield i, min(i + 2, n)
+            i += 2
+        elif pattern[i] == "[":
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            yield i, min(j + 1, n)
+            i = j + 1
+        else:
+            yield i, i + 1
+            i += 1
+
+
 def regex_syntax_positions(pattern: str) -> Iterator[int]:
     """Indices of the characters of ``pattern`` that are syntax: outside escapes (``\\x``) and
     outside character classes (a class's own ``[`` is yielded, its contents are not)."""
-    i, n = 0, len(pattern)
-    in_class = False
-    while i < n:
-        ch = pattern[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = ch != "]"
-        else:
-            yield i
-            if ch == "[":
-                in_class = True
-                if pattern[i + 1 : i + 2] == "]":
-                    i += 1
-        i += 1
+    return (start for start, _ in regex_atoms(pattern) if pattern[start] != "\\")
+
+
+def can_match_backslash(pattern: str) -> bool:
+    """Whether some one-character piece of ``pattern`` (``regex_atoms``) can match a
+    backslash: ``.``, ``\\\\``, ``\\S``, ``\\W``, ``\\D``, or a class containing it (ranges and
+    negation included). A piece Python cannot read counts as yes."""
+    for start, end in regex_atoms(pattern):
+        try:
+            if re.fullmatch(pattern[start:end], "\\"):
+                return True
+        except re.error:
+            if pattern[start] in "\\[":
+                return True
+    return False
 
 
 def regex_matches(pattern: str, name: str) -> bool | None:
@@ -96,3 +116,63 @@ def names_except(names: list[str]) -> str:
         return "(?:" + "|".join(alts) + ")"
 
     return "^" + body(trie) + "$"
+
+
+# ``\s`` spelled out: every character that Python's ``re`` (as ``jsonschema`` runs it) or
+# ECMA-262 counts as white space. A negated class written with it excludes both readings.
+_ANY_SPACE = (
+    "\\t\\n\\v\\f\\r \\x1c-\\x1f\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f"
+    "\\u3000\\ufeff"
+)
+
+
+def _negated_class(atom: str, also: str = "") -> str | None:
+    """The negation of a one-character regex ``atom``: a class ``[...]`` (not itself negated)
+    or ``\\s``. None for anything else, and for classes holding ``\\d`` / ``\\w`` (whose
+    Unicode reading differs between ``jsonschema`` and ECMA-262) or ``\\b``. ``also``: more
+    (escaped) characters to exclude."""
+    if atom == "\\s":
+        return f"[^{also}{_ANY_SPACE}]"
+    if len(atom) < 3 or atom[0] != "[" or atom[-1] != "]" or atom[1] == "^":
+        return None
+    body = atom[1:-1]
+    out, i = [], 0
+    while i < len(body):  # one class: no unescaped "[" or "]" inside
+        ch = body[i]
+        if ch == "\\":
+            esc = body[i + 1 : i + 2]
+            if esc in ("d", "D", "w", "W", "S", "b", "B", ""):
+                return None
+            out.append(_ANY_SPACE if esc == "s" else body[i : i + 2])
+            i += 2
+            continue
+        if ch in "[]":
+            return None
+        out.append(ch)
+        i += 1
+    if body.startswith("]"):
+        return None
+    if out[0] == "-":  # literal at the start; escaped, since `also` goes before it
+        out[0] = "\\-"
+    return "[^" + also + "".join(out) + "]"  # `also` first: a final "-" stays literal
+
+
+def pattern_complement(pattern: str) -> str | None:
+    """A regex matching the strings that ``pattern`` (searched) does not match, for the
+    one-class forms ``^C*$``, ``^C+$`` and ``C``; None for any other pattern. Exact but for
+    the characters that only one of Python's and ECMA-262's readings puts in a class or at the
+    end (U+FEFF as white space, a final newline before ``$``): strings hinging on those are
+    left out (over-strict under either reading, never wrong)."""
+    if regex_matches(pattern, "") is None:
+        return None  # not read the same way by Python and ECMA-262
+    anchored = pattern.startswith("^") and pattern.endswith(("*$", "+$"))
+    if anchored and not pattern.endswith(("\\*$", "\\+$")):
+        # Python's "$" (jsonschema's reading) also matches before a final newline: the other
+        # character must not be a newline, or "ab\\n" would pass here and fail there.
+        negated = _negated_class(pattern[1:-2], also="\\n")
+        if negated is None:
+            return None
+        some_other = f"[\\s\\S]*{negated}[\\s\\S]*"  # a character outside the class
+        return f"^{some_other}$" if pattern[-2] == "*" else f"^(?:{some_other})?$"
+    negated = _negated_class(pattern)
+    return None if negated is None else f"^{negated}*$"  # no character of the class

@@ -29,7 +29,11 @@ from typing import Any
 from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
-from radixlm.runtime.grammar.patterns import regex_matches, regex_syntax_positions
+from radixlm.runtime.grammar.patterns import (
+    can_match_backslash,
+    regex_matches,
+    regex_syntax_positions,
+)
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -95,6 +99,10 @@ class SchemaSupport:
     # ``pattern`` / ``patternProperties`` are searched, as JSON Schema says (not full-matched),
     # and a property name is checked against every pattern and ``properties`` entry it matches.
     pattern_search: bool = False
+    # ``pattern`` is matched against the JSON text of the string, escapes included (outlines):
+    # a pattern that can match a backslash can then accept a string it refuses ("a\\nb" under
+    # ``^a.*$``), so such patterns are refused.
+    pattern_on_escaped_text: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,7 +223,10 @@ def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
     found = _regex_features(pattern) - ({"top-level |"} if support.pattern_alternation else set())
     if support.pattern_search:  # anchors mean what they say in a search
         found.discard("inner anchor")
-    return sorted(f"{f} unsupported" for f in found)
+    out = sorted(f"{f} unsupported" for f in found)
+    if support.pattern_on_escaped_text and can_match_backslash(pattern):
+        out.append("matched on escaped JSON text, and can match a backslash")
+    return out
 
 
 def _anchored(pattern: str) -> bool:
@@ -452,6 +463,7 @@ OUTLINES_SUPPORT = SchemaSupport(
     ),  # fmt: skip
     empty_subschema=False,
     pattern_alternation=False,
+    pattern_on_escaped_text=True,
 )
 
 # Measured with llguidance 1.9 (it refuses by itself what it does not implement: ``not``,

@@ -11,8 +11,14 @@ from grammar_helpers import BYTE_VOCAB, grammar_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.grammar import Constraint, get_backend
-from radixlm.runtime.grammar.patterns import matches_every_name, names_except, regex_matches
+from radixlm.runtime.grammar import Constraint, GrammarError, get_backend
+from radixlm.runtime.grammar.patterns import (
+    can_match_backslash,
+    matches_every_name,
+    names_except,
+    pattern_complement,
+    regex_matches,
+)
 
 
 @pytest.mark.parametrize(
@@ -83,3 +89,72 @@ def test_names_except_in_llguidance() -> None:
     for key, integer in keys:
         assert grammar_accepts(compiled.new_matcher(), f'{{"{key}":1}}') is integer, key
         assert grammar_accepts(compiled.new_matcher(), f'{{"{key}":"s"}}') is not integer, key
+
+
+COMPLEMENTED = ["^[a-c]+$", "^[a-c]*$", "[ab]", "\\s", "^[\\.\\,\\*\\\\\\-\\s\\{\\}\\(\\)]+$",
+                "^[-a]+$", "^\\s*$"]  # fmt: skip
+NOT_COMPLEMENTED = ["^a+$", "\\d", "^[\\w]+$", "^[^a]+$", "[]", "^[a]]+$", "^[a-c]+", "(?i)[a]"]
+PROBES = st.text(alphabet="abcxyz.,*\\-{}()[] \t\n\u00a0\u2003\u3000\ufeff\x1c", max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(probe=PROBES)
+def test_pattern_complement_is_exact_for_python_re(probe: str) -> None:
+    """Never admits a string the pattern matches under Python's reading (the one
+    ``jsonschema`` validates with), white space included; exact but for strings with U+FEFF
+    (white space to ECMA-262 only) or a newline (Python's ``$`` matches before a final one).
+    The backends read ``$`` as ECMA-262 does (the very end)."""
+    for pattern in COMPLEMENTED:
+        other = pattern_complement(pattern)
+        assert other is not None, pattern
+        admitted = re.search(other[:-1] + "\\Z", probe) is not None
+        if admitted:
+            assert re.search(pattern, probe) is None, (pattern, probe)
+        elif "\ufeff" not in probe and "\n" not in probe:
+            assert re.search(pattern, probe) is not None, (pattern, probe)
+
+
+@pytest.mark.parametrize("pattern", NOT_COMPLEMENTED)
+def test_pattern_complement_refuses_other_forms(pattern: str) -> None:
+    assert pattern_complement(pattern) is None
+
+
+@pytest.mark.parametrize("backend_name", ["llguidance", "xgrammar", "outlines"])
+def test_pattern_complement_in_backends(backend_name: str) -> None:
+    """The backends compile the complements and read them as Python does on these strings
+    (as a regex constraint: a full match, so without the anchors)."""
+    backend = get_backend(backend_name)(BYTE_VOCAB)
+    probes = ["", "ab", "a b", "a\u00a0", "x", " ", "\u3000", "{}", "a-"]
+    for pattern in COMPLEMENTED:
+        other = pattern_complement(pattern)
+        assert other is not None
+        compiled = backend.compile(Constraint.from_params(regex=other[1:-1]))
+        for probe in probes:
+            expected = re.search(pattern, probe) is None
+            assert grammar_accepts(compiled.new_matcher(), probe) is expected, (pattern, probe)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "can"),
+    [("^a.*$", True), ("^[a-z]+$", False), ("^[ -~]+$", True), ("^[^a]+$", True),
+     ("^\\S+$", True), ("[\\\\]", True), ("^\\d+$", False), ("^[\\w-]+$", False),
+     ("^x\\.y$", False), ("^(a|b)+$", False), ("^[]a]$", False)],
+)  # fmt: skip
+def test_can_match_backslash(pattern: str, can: bool) -> None:
+    assert can_match_backslash(pattern) is can
+
+
+def test_patterns_on_escaped_text_are_refused_where_unsound() -> None:
+    """outlines matches a ``pattern`` against the string's JSON text: under ``^a.*$`` it took
+    "a\\nb" (its text a, \\, n, b), which ``jsonschema`` rejects. Such patterns are refused
+    there; the other backends enforce them."""
+    schema = {"type": "string", "pattern": "^a.*$"}
+    c = Constraint.from_params(json_schema=schema)
+    with pytest.raises(GrammarError, match="escaped JSON text"):
+        get_backend("outlines")(BYTE_VOCAB).validate(c)
+    for name in ("llguidance", "xgrammar"):
+        compiled = get_backend(name)(BYTE_VOCAB).compile(c)
+        assert grammar_accepts(compiled.new_matcher(), '"ab"')
+        assert not grammar_accepts(compiled.new_matcher(), '"a\\nb"'), name
+    safe = Constraint.from_params(json_schema={"type": "string", "pattern": "^[a-z]+$"})
+    get_backend("outlines")(BYTE_VOCAB).validate(safe)
