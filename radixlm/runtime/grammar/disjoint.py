@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
-from radixlm.runtime.grammar.schema_keywords import resolve_pointer
+from radixlm.runtime.grammar.schema_keywords import is_number, resolve_pointer
 
 _MAX_DEPTH = 24
 _ALL_TYPES = frozenset({"null", "boolean", "object", "array", "string", "number"})
@@ -135,16 +135,13 @@ class DisjointChecker:
         """(low, low_exclusive, high, high_exclusive) of the numeric range a facet allows."""
         lo, lo_x, hi, hi_x = -math.inf, False, math.inf, False
 
-        def num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if num(facet.get("minimum")):
+        if is_number(facet.get("minimum")):
             lo = facet["minimum"]
-        if num(facet.get("exclusiveMinimum")) and facet["exclusiveMinimum"] >= lo:
+        if is_number(facet.get("exclusiveMinimum")) and facet["exclusiveMinimum"] >= lo:
             lo, lo_x = facet["exclusiveMinimum"], True
-        if num(facet.get("maximum")):
+        if is_number(facet.get("maximum")):
             hi = facet["maximum"]
-        if num(facet.get("exclusiveMaximum")) and facet["exclusiveMaximum"] <= hi:
+        if is_number(facet.get("exclusiveMaximum")) and facet["exclusiveMaximum"] <= hi:
             hi, hi_x = facet["exclusiveMaximum"], True
         return lo, lo_x, hi, hi_x
 

@@ -23,9 +23,15 @@ refuses it by name. Rewrites, bottom-up:
 - ``uniqueItems`` on arrays whose items come from a finite set (``enum`` / ``const`` /
   boolean) of at most 4 values -> an ``enum`` of every array the original schema accepts
   (each checked with ``jsonschema``).
-- ``not`` of ``{}``, ``required``, ``type`` and ``anyOf`` / ``allOf`` of those -> the cases of
-  its negation (``false``; "one listed property absent"; the other types), merged into the
-  schema as a disjoint-or-not ``anyOf`` (anyOf needs no disjointness).
+- ``not`` of ``{}``, ``required``, ``type``, a one-class ``pattern`` and ``anyOf`` / ``allOf``
+  of those -> the cases of its negation (``schema_facts.negation``: ``false``; "one listed
+  property absent"; the other types; a string of the complement pattern), merged into the
+  schema as an ``anyOf`` (anyOf needs no disjointness).
+- ``oneOf`` not proven disjoint whose branches all have such a negation -> the ``anyOf`` of
+  "this branch and none of the others" for each branch.
+- a declared property under ``patternProperties`` that also match its name: its schema ->
+  ``{}`` where it equals theirs; or, where it is a proven subset (``subsume``) of patterns that
+  match every name, those patterns -> "every name but this one" (``patterns.names_except``).
 - ``format`` values that no draft defines (``"url"``, ``"semver"``, ...) are annotations for
   every validator: dropped.
 - ``format`` with an exact (or over-strict) regex in ``formats.FORMAT_PATTERNS`` (date, time,
@@ -53,13 +59,22 @@ from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
 from radixlm.runtime.grammar.patterns import (
     matches_every_name,
     names_except,
-    pattern_complement,
     regex_matches,
+)
+from radixlm.runtime.grammar.schema_facts import (
+    MAX_NOT_CASES,
+    finite_values,
+    intersect_types,
+    negation,
+    required_and_forbidden,
+    type_spec,
 )
 from radixlm.runtime.grammar.schema_keywords import (
     ANNOTATIONS,
+    NON_ASSERTING,
     SPEC_FORMATS,
     VALIDATION_KEYWORDS,
+    is_number,
     map_subschemas,
     resolve_pointer,
     strip_annotations,
@@ -71,10 +86,10 @@ _MAX_DEPENDENCIES = 3
 _MAX_UNIQUE_VALUES = 4
 _MAX_UNIQUE_ARRAYS = 128
 _MAX_DISTRIBUTED_BYTES = 256 * 1024
+_MAX_ONE_OF = 4
 # Keys that stay at a rewritten node instead of being copied into its anyOf branches.
 _HOST = ("$schema", "$id", "$defs", "definitions", "$comment", "title", "description",
          "default", "examples")  # fmt: skip
-_ANNOTATIONS = frozenset({*_HOST, "deprecated", "readOnly", "writeOnly", "$anchor"})
 _MIN = frozenset({"minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties"})
 _MAX = frozenset({"maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties"})
 # Keyword groups whose meaning depends on each other: only one merge side may use them.
@@ -166,7 +181,7 @@ class _Normalizer:
         target; anything else as it is."""
         if not isinstance(s, dict) or not isinstance(s.get("$ref"), str):
             return s
-        if any(k not in _ANNOTATIONS and k != "$ref" for k in s):
+        if any(k not in NON_ASSERTING and k != "$ref" for k in s):
             return s
         ref = s["$ref"]
         if ref in self._inlining or depth > _MAX_DEPTH or not ref.startswith("#/"):
@@ -280,18 +295,18 @@ class _Normalizer:
         for key, value in b.items():
             if key in obj_keys or key in arr_keys:
                 continue
-            if key not in a or key in _ANNOTATIONS:
+            if key not in a or key in NON_ASSERTING:
                 out.setdefault(key, value)
                 continue
             mine = a[key]
             if key == "type":
-                types = _intersect_types(mine, value)
+                types = intersect_types(mine, value)
                 if not types:  # no instance has both types (when both are well formed)
-                    return False if _type_spec(mine) and _type_spec(value) else None
+                    return False if type_spec(mine) and type_spec(value) else None
                 out["type"] = types[0] if len(types) == 1 else types
-            elif key in _MIN and _number(mine) and _number(value):
+            elif key in _MIN and is_number(mine) and is_number(value):
                 out[key] = max(mine, value)
-            elif key in _MAX and _number(mine) and _number(value):
+            elif key in _MAX and is_number(mine) and is_number(value):
                 out[key] = min(mine, value)
             elif key == "required" and isinstance(mine, list) and isinstance(value, list):
                 out[key] = list(dict.fromkeys([*mine, *value]))
@@ -413,9 +428,9 @@ class _Normalizer:
         if s.get("uniqueItems") is not True or s.get("type") != "array":
             return s
         if any(k not in ("type", "items", "minItems", "maxItems", "uniqueItems")
-               and k not in _ANNOTATIONS for k in s):  # fmt: skip
+               and k not in NON_ASSERTING for k in s):  # fmt: skip
             return s
-        values = _finite_values(s.get("items"))
+        values = finite_values(s.get("items"))
         if values is None or len(values) > _MAX_UNIQUE_VALUES:
             return s
         validator = self.draft.cls(s)
@@ -429,7 +444,7 @@ class _Normalizer:
             return s
         if not arrays:
             return False
-        return {**{k: v for k, v in s.items() if k in _ANNOTATIONS}, "enum": arrays}
+        return {**{k: v for k, v in s.items() if k in NON_ASSERTING}, "enum": arrays}
 
     def _branches(self, s: dict[str, Any], cases: list[list[Any]], depth: int) -> Any:
         """``s`` (without the rewritten keywords) as an ``anyOf`` of ``s`` merged with each case's
@@ -441,7 +456,7 @@ class _Normalizer:
             b = self.conj([body, *case], depth)
             if isinstance(b, dict) and "allOf" in b:
                 return None
-            if b is not False and not _required_and_forbidden(b):
+            if b is not False and not required_and_forbidden(b):
                 branches.append(b)
         if not branches:
             return False
@@ -460,7 +475,7 @@ class _Normalizer:
             return self.conj([body, then if cond else other], depth)
         if not isinstance(cond, dict) or s.get("type") != "object":
             return s
-        keys = {k for k in cond if k not in _ANNOTATIONS}
+        keys = {k for k in cond if k not in NON_ASSERTING}
         cprops = cond.get("properties", {})
         if not isinstance(cprops, dict):
             return s
@@ -479,8 +494,8 @@ class _Normalizer:
             ((name, cschema),) = cprops.items()
             if creq not in (None, [name]) or name not in required:
                 return s
-            wanted = _finite_values(cschema)
-            known = _finite_values(props.get(name)) if isinstance(props, dict) else None
+            wanted = finite_values(cschema)
+            known = finite_values(props.get(name)) if isinstance(props, dict) else None
             if wanted is None or known is None:
                 return s
             yes = [v for v in known if any(json_equal(v, w) for w in wanted)]
@@ -524,7 +539,7 @@ class _Normalizer:
         for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
             if isinstance(out.get(flag), bool):
                 out = dict(out)
-                if out.pop(flag) and _number(out.get(bound)):
+                if out.pop(flag) and is_number(out.get(bound)):
                     out[flag] = out.pop(bound)
         return out
 
@@ -616,11 +631,11 @@ class _Normalizer:
         return s
 
     def _not(self, s: dict[str, Any], depth: int) -> Any:
-        """``not`` rewritten as the cases of its negation (``_negation``) merged with the
+        """``not`` rewritten as the cases of its negation (``negation``) merged with the
         rest of ``s``; kept when a case has no exact form or does not merge."""
         if "not" not in s or "not" not in self.draft.keywords:
             return s
-        cases = _negation(self.inline(s["not"], depth))
+        cases = negation(self.inline(s["not"], depth))
         if cases is None:
             return s
         out = self._branches({k: v for k, v in s.items() if k != "not"}, cases, depth)
@@ -628,7 +643,7 @@ class _Normalizer:
 
     def _one_of(self, s: dict[str, Any], depth: int) -> Any:
         """``oneOf`` whose branches are not proven disjoint, each with an exact negation
-        (``_negation``) -> the ``anyOf`` of each branch and not the others, merged with the rest
+        (``negation``) -> the ``anyOf`` of each branch and not the others, merged with the rest
         of ``s`` (exactly one branch holds; the cases are disjoint by construction). Kept when
         a negation or a merge is not exact, or the cases are too many."""
         branches = s.get("oneOf")
@@ -637,17 +652,17 @@ class _Normalizer:
         if "oneOf" not in self.draft.keywords or one_of_disjoint(self.draft.root, s):
             return s  # disjoint: the backends' anyOf reading is exact already
         inlined = [self.inline(b, depth) for b in branches]
-        negations = [_negation(b) for b in inlined]
+        negations = [negation(b) for b in inlined]
         cases: list[list[Any]] = []
         for i, branch in enumerate(inlined):
             combos: list[list[Any]] = [[branch]]
-            for j, negation in enumerate(negations):
+            for j, cases_j in enumerate(negations):
                 if j == i:
                     continue
-                if negation is None:
+                if cases_j is None:
                     return s
-                combos = [c + case for c in combos for case in negation]
-                if len(combos) > _MAX_NOT_CASES:
+                combos = [c + case for c in combos for case in cases_j]
+                if len(combos) > MAX_NOT_CASES:
                     return s
             cases += combos
         out = self._branches({k: v for k, v in s.items() if k != "oneOf"}, cases, depth)
@@ -678,129 +693,6 @@ class _Normalizer:
             cases.append(case)
         out = self._branches(rest, cases, depth)
         return s if out is None else out
-
-
-_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
-_MAX_NOT_CASES = 8
-_MAX_ONE_OF = 4
-
-
-def _negation(n: Any) -> list[list[Any]] | None:
-    """``not n`` as a disjunction of conjunctions (cases of schemas to intersect), or None when
-    it has no exact form here. Handled: ``{}`` / ``true`` (nothing), ``false`` (anything),
-    ``required`` (an object, one listed property absent), ``type`` (the other types),
-    ``pattern`` of one character class (a string of the complement, ``pattern_complement``),
-    ``anyOf`` (every member negated), ``allOf`` and several keywords (one of them negated)."""
-    if n is True:
-        return []
-    if n is False:
-        return [[]]
-    if not isinstance(n, dict):
-        return None
-    keys = [k for k in n if k not in _ANNOTATIONS and not _asserts_nothing(k, n[k])]
-    if not keys:
-        return []
-    if len(keys) > 1:  # not (A and B) == not A or not B, one keyword each
-        parts = [_negation({k: n[k]}) for k in keys]
-        if any(p is None for p in parts):
-            return None
-        cases = [c for p in parts for c in p if p is not None]
-        return cases if len(cases) <= _MAX_NOT_CASES else None
-    (key,) = keys
-    value = n[key]
-    if key == "required" and isinstance(value, list):
-        # non-objects satisfy `required`, so they fail its negation
-        return [[{"type": "object", "properties": {name: False}}] for name in dict.fromkeys(value)]
-    if key == "pattern" and isinstance(value, str):  # non-strings match any pattern
-        other = pattern_complement(value)
-        return None if other is None else [[{"type": "string", "pattern": other}]]
-    if key == "type":
-        types = set(value) if isinstance(value, list) else {value}
-        if "integer" in types and "number" not in types:
-            return None  # "non-integer numbers" has no type
-        rest = [t for t in _JSON_TYPES if t not in types]
-        return [[{"type": rest}]] if rest else []
-    if key == "allOf" and isinstance(value, list):
-        parts = [_negation(m) for m in value]
-        if any(p is None for p in parts):
-            return None
-        cases = [c for p in parts for c in p if p is not None]
-        return cases if len(cases) <= _MAX_NOT_CASES else None
-    if key == "anyOf" and isinstance(value, list):
-        out: list[list[Any]] = [[]]
-        for m in value:  # not (A or B) == not A and not B: the cross product of their cases
-            p = _negation(m)
-            if p is None or len(out) * len(p) > _MAX_NOT_CASES:
-                return None
-            out = [a + b for a in out for b in p]
-        return out
-    return None
-
-
-def _asserts_nothing(key: str, value: Any) -> bool:
-    """``properties`` of any-value schemas (``_declare_required`` adds those) and an any-value
-    ``additionalProperties`` / ``items`` constrain nothing."""
-    if key == "properties" and isinstance(value, dict):
-        return all(v is True or v == {} for v in value.values())
-    return key in ("additionalProperties", "items") and (value is True or value == {})
-
-
-def _required_and_forbidden(s: Any) -> bool:
-    """A schema object requiring a property whose schema is ``false`` (matches no object)."""
-    if not isinstance(s, dict) or s.get("type") != "object":
-        return False
-    props = s.get("properties", {})
-    required = s.get("required", [])
-    return (
-        isinstance(props, dict)
-        and isinstance(required, list)
-        and any(props.get(n) is False for n in required)
-    )
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _type_spec(t: Any) -> bool:
-    return isinstance(t, str) or (isinstance(t, list) and all(isinstance(x, str) for x in t))
-
-
-def _intersect_types(a: Any, b: Any) -> list[str]:
-    ta = [a] if isinstance(a, str) else list(a) if isinstance(a, list) else []
-    tb = [b] if isinstance(b, str) else list(b) if isinstance(b, list) else []
-    out = [t for t in ta if t in tb or (t == "integer" and "number" in tb)]
-    out += [t for t in tb if t == "integer" and "number" in ta and t not in out]
-    return out
-
-
-def _finite_values(s: Any) -> list[Any] | None:
-    """The values a schema allows, when it is a plain ``const`` / ``enum`` / boolean type."""
-    if not isinstance(s, dict):
-        return None
-    keys = {k for k in s if k not in _ANNOTATIONS}
-    if keys == {"const"} or keys == {"const", "type"} and _type_ok(s, [s["const"]]):
-        return [s["const"]]
-    if (keys == {"enum"} or keys == {"enum", "type"}) and isinstance(s["enum"], list):
-        vals = [v for i, v in enumerate(s["enum"]) if not any(
-            json_equal(v, w) for w in s["enum"][:i])]  # fmt: skip
-        return vals if keys == {"enum"} or _type_ok(s, vals) else None
-    if keys == {"type"} and s["type"] == "boolean":
-        return [True, False]
-    return None
-
-
-def _type_ok(s: dict[str, Any], values: list[Any]) -> bool:
-    """Every value has the schema's (single) type, so ``type`` removes none of them."""
-    from radixlm.runtime.grammar.disjoint import _value_type
-
-    t = s.get("type")
-    return isinstance(t, str) and all(
-        _value_type(v) == t
-        or (t == "integer" and _number(v) and float(v).is_integer())
-        or (t == "number" and _value_type(v) == "number")
-        for v in values
-    )
 
 
 def lower_for_backends(schema: Any, depth: int = 0) -> Any:

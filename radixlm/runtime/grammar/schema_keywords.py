@@ -44,6 +44,14 @@ SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
 # included: inside a schema without embedded resources it changes nothing).
 ANNOTATIONS = frozenset({"$schema", "$comment", "title", "description", "default", "examples",
                          "deprecated", "readOnly", "writeOnly"})  # fmt: skip
+# Keys that assert nothing about an instance at all: annotations and where subschemas are
+# kept for reference (a schema's own ``$defs`` / ``$id`` / ``$anchor``).
+NON_ASSERTING = ANNOTATIONS | {"$id", "$defs", "definitions", "$anchor"}
+
+
+def is_number(v: Any) -> bool:
+    """A JSON number (``true`` / ``false`` are not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def resolve_pointer(root: object, ref: object) -> object | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from radixlm.runtime.grammar.disjoint import DisjointChecker, json_equal
 from radixlm.runtime.grammar.patterns import regex_matches
-from radixlm.runtime.grammar.schema_keywords import strip_annotations
+from radixlm.runtime.grammar.schema_keywords import is_number, strip_annotations
 
 _MAX_DEPTH = 48
 _TYPES = ("null", "boolean", "object", "array", "string", "number", "integer")
@@ -201,21 +201,17 @@ def _types(t: Any) -> tuple[str, ...]:
     return _TYPES
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _at_least(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
     """``a``'s lower bound ``key`` is at least ``b``'s (absent: 0 / no bound)."""
     if key not in b:
         return True
-    return _number(a.get(key)) and _number(b[key]) and a[key] >= b[key]
+    return is_number(a.get(key)) and is_number(b[key]) and a[key] >= b[key]
 
 
 def _at_most(a: dict[str, Any], b: dict[str, Any], key: str) -> bool:
     if key not in b:
         return True
-    return _number(a.get(key)) and _number(b[key]) and a[key] <= b[key]
+    return is_number(a.get(key)) and is_number(b[key]) and a[key] <= b[key]
 
 
 def _strings(a: dict[str, Any], b: dict[str, Any]) -> bool:
