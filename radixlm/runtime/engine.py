@@ -496,8 +496,9 @@ class Engine:
         try:
             self.core.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-            # NOTE: the core fails a failed batch's own requests; what reaches here failed
-            # outside any batch (scheduling itself): nothing to attribute it to.
+            # NOTE: the core fails a failed batch's own requests and the scheduler a request
+            # that fails its own admission or page growth; what reaches here belongs to no one
+            # request: nothing to attribute it to.
             logger.exception("scheduling failed; failing every request")
             self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")
             self.processor.drain()

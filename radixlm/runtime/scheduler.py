@@ -38,6 +38,9 @@ from radixlm.runtime.schedule_policy import SchedulePolicy, create_policy
 
 logger = logging.getLogger(__name__)
 
+# `_admit_one` outcomes other than a number of tokens admitted (> 0).
+_SKIP, _STOP, _REMOVED = -1, -2, -3
+
 # A waiting request whose next page of prompt beyond its cache hit is being prefilled by a running
 # request waits for that prefill to land in the cache instead of computing it again (in-batch
 # prefix caching; the leader caches each chunk as it completes, so the wait is a step or a few).
@@ -77,6 +80,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.last_step = StepStats()
         self.num_retractions = 0
+        self._scheduling_error: str | None = None  # set by `_unschedulable` within a schedule
         self.total_prompt_tokens = 0
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
@@ -138,7 +142,11 @@ class Scheduler:
             if n <= 0:
                 continue
             retractions = self.num_retractions
-            ok = self._ensure_pages(req, req.num_computed_tokens + n, items)
+            try:
+                ok = self._ensure_pages(req, req.num_computed_tokens + n, items)
+            except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
+                self._unschedulable(req, items, exc)
+                ok = False
             if ok:
                 items.append(ScheduledItem(req, n))
             if self.num_retractions != retractions:
@@ -146,6 +154,14 @@ class Scheduler:
             elif ok:
                 used += n
         self._admit(items, used)
+        if self._scheduling_error is not None:
+            message, self._scheduling_error = self._scheduling_error, None
+            try:
+                self.check_integrity()
+            except AssertionError:
+                logger.exception("KV page accounting broken after a scheduling error")
+                self.fail_all(message)
+                items.clear()
         batch = ScheduledBatch(items)
         for k, item in enumerate(items):
             req = item.req
@@ -166,57 +182,95 @@ class Scheduler:
             or used >= cfg.max_batched_tokens
         ):
             return  # nothing can be admitted: skip the policy's ordering (prefix lookups)
-        chunk_cap = cfg.chunked_prefill_size or math.inf
         inflight = self._inflight_prefixes()
         removed: set[int] = set()
-        for req in self.policy.order(self.waiting):
+        try:
+            order = self.policy.order(self.waiting)
+        except Exception:  # noqa: BLE001 - a policy failure must not stop admission
+            logger.exception("scheduling policy failed; admitting in arrival order")
+            order = list(self.waiting)
+        for req in order:
+            if req.status is RequestStatus.FINISHED:
+                continue  # failed by a scheduling error earlier in this loop
             if len(self.running) >= cfg.max_running_requests:
                 break
             budget = cfg.max_batched_tokens - used
             if budget <= 0:
                 break
-            if req.grammar_pending:
-                continue  # its grammar is compiling; the requests behind it go ahead
-            if self._shares_inflight_prefix(req, inflight):
-                continue  # wait for the leader's prefill to land in the cache, then hit it
-            usable = req.num_tokens - 1
-            if req.prompt_logprob_start is not None:
-                # Positions whose logits give the wanted prompt logprobs must be computed.
-                usable = min(usable, max(0, req.prompt_logprob_start - 1))
-            m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
-            self.cache.lock(m.node)
-            req.pages = list(m.pages)
-            req.page_gen += 1
-            req.num_computed_tokens = m.num_tokens
-            remaining = req.num_uncomputed
-            if cfg.chunked_prefill_size is None:
-                # No chunking: the whole prompt, past the budget only when it runs alone.
-                if remaining > budget and items:
-                    self._release(req)
-                    break
-                n = remaining
-            else:
-                n = int(min(remaining, chunk_cap, budget))
-            if not self._alloc_for_admission(req, req.num_computed_tokens + n):
-                self._release(req)
-                if not self.running and not items:
-                    removed.add(id(req))
-                    self.processor.fail(req, self._capacity_error(req))
-                    continue
+            try:
+                n = self._admit_one(req, items, budget, inflight)
+            except Exception as exc:  # noqa: BLE001 - this request's fault, not the others'
+                self._unschedulable(req, items, exc)
+                n = _REMOVED
+            if n == _STOP:
                 break
+            if n in (_SKIP, _REMOVED):
+                if n == _REMOVED:
+                    removed.add(id(req))
+                continue
             removed.add(id(req))
-            if not req.admitted_once:
-                req.admitted_once = True
-                req.num_cached_tokens = m.num_tokens
-                self.total_prompt_tokens += req.num_prompt_tokens
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            items.append(ScheduledItem(req, n))
             used += n
-            if self.cache.enabled:
-                inflight.update(req.prompt_page_hashes(self.page_size))
         if removed:
             self.waiting = deque(r for r in self.waiting if id(r) not in removed)
+
+    def _admit_one(
+        self, req: Request, items: list[ScheduledItem], budget: int, inflight: set[int]
+    ) -> int:
+        """Admit ``req`` for at most ``budget`` tokens: the tokens scheduled (> 0), or
+        ``_SKIP`` (it waits, the ones behind it may go), ``_STOP`` (admission ends here) or
+        ``_REMOVED`` (it was failed)."""
+        cfg = self.config
+        if req.grammar_pending:
+            return _SKIP  # its grammar is compiling; the requests behind it go ahead
+        if self._shares_inflight_prefix(req, inflight):
+            return _SKIP  # wait for the leader's prefill to land in the cache, then hit it
+        usable = req.num_tokens - 1
+        if req.prompt_logprob_start is not None:
+            # Positions whose logits give the wanted prompt logprobs must be computed.
+            usable = min(usable, max(0, req.prompt_logprob_start - 1))
+        m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
+        self.cache.lock(m.node)
+        req.pages = list(m.pages)
+        req.page_gen += 1
+        req.num_computed_tokens = m.num_tokens
+        remaining = req.num_uncomputed
+        if cfg.chunked_prefill_size is None:
+            # No chunking: the whole prompt, past the budget only when it runs alone.
+            if remaining > budget and items:
+                self._release(req)
+                return _STOP
+            n = remaining
+        else:
+            n = int(min(remaining, cfg.chunked_prefill_size or math.inf, budget))
+        if not self._alloc_for_admission(req, req.num_computed_tokens + n):
+            self._release(req)
+            if not self.running and not items:
+                self.processor.fail(req, self._capacity_error(req))
+                return _REMOVED
+            return _STOP
+        if not req.admitted_once:
+            req.admitted_once = True
+            req.num_cached_tokens = m.num_tokens
+            self.total_prompt_tokens += req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        items.append(ScheduledItem(req, n))
+        if self.cache.enabled:
+            inflight.update(req.prompt_page_hashes(self.page_size))
+        return n
+
+    def _unschedulable(self, req: Request, items: list[ScheduledItem], exc: Exception) -> None:
+        """An exception while scheduling ``req`` (admitting it, or giving it pages): fail that
+        request only, releasing whatever it held. ``schedule`` then checks the page counts; if
+        they are broken it fails every request (last resort, as after a failed step)."""
+        logger.exception("scheduling request %s failed; failing it", req.request_id)
+        message = f"internal error while scheduling this request: {type(exc).__name__}: {exc}"
+        items[:] = [i for i in items if i.req is not req]
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+        self.processor.fail(req, message)
+        self._scheduling_error = message
 
     def _plan_forks(self, batch: ScheduledBatch) -> None:
         """n > 1: a request whose prompt completes this step forks its branches. They sample

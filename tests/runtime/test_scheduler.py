@@ -397,3 +397,59 @@ def test_prompt_top_logprobs_match_the_prompt_logprobs(chunk):
         if p[pos] == top[0][0]:
             assert lp == pytest.approx(top[0][1], abs=1e-5)
     assert req("off", p, 1, logprob_start_len=3).prompt_top_logprobs is None
+
+
+BAD = 59  # a prompt holding this token makes the cache's prefix match raise in the test below
+
+
+@pytest.mark.parametrize("where", ["match_prefix", "ensure_pages", "policy"])
+def test_an_exception_while_scheduling_one_request_fails_only_that_request(where, monkeypatch):
+    """Admission (prefix match), page growth of a running request, or the policy's ordering
+    raising for one request: that request fails with the reason, the others finish with
+    their reference outputs, no page leaks (a policy failure fails nobody: FIFO instead)."""
+    rng = random.Random(3)
+    s = make(max_batched_tokens=64, max_running_requests=8, num_pages=64)
+    good = [req(f"g{i}", prompt(rng, 12), 6) for i in range(4)]
+    bad = req("bad", [*prompt(rng, 6), BAD, *prompt(rng, 5)], 6)
+    if where == "match_prefix":
+        real = s.cache.match_prefix
+
+        def match_prefix(tokens, namespace=None):  # type: ignore[no-untyped-def]
+            if BAD in tokens:
+                raise RuntimeError("injected match fault")
+            return real(tokens, namespace)
+
+        monkeypatch.setattr(s.cache, "match_prefix", match_prefix)
+    elif where == "ensure_pages":
+        real_ensure = s._ensure_pages
+
+        def ensure(r, total, items):  # type: ignore[no-untyped-def]
+            if r is bad:
+                raise RuntimeError("injected page fault")
+            return real_ensure(r, total, items)
+
+        monkeypatch.setattr(s, "_ensure_pages", ensure)
+    else:
+        calls = {"n": 0}
+        real_order = s.policy.order
+
+        def order(waiting):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected policy fault")
+            return real_order(waiting)
+
+        monkeypatch.setattr(s.policy, "order", order)
+    for r in [good[0], good[1], bad, good[2], good[3]]:
+        s.add_request(r)
+    run(s)
+    for r in good:
+        assert r.finish_reason == "length", r.error
+        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 6)
+    if where == "policy":
+        assert bad.finish_reason == "length"
+    else:
+        assert bad.finish_reason == "error"
+        assert "internal error while scheduling this request" in bad.error
+        assert "injected" in bad.error
+    assert_all_released(s)

@@ -11,6 +11,8 @@ request can be mixed into a batch of good ones:
   flight for seconds however fast the machine, for tests that act on it while it runs);
 - prompt token ids FORWARD (three rare ids in a row) anywhere in a batch: the model forward
   raises (a batch-level fault caused by one request);
+- prompt token ids SCHEDULE (three other rare ids): the prefix cache's lookup raises while the
+  scheduler admits that request (a fault inside scheduling);
 - a regex starting with `SLOW`: the grammar backend's compile sleeps 5 s (a compile timeout).
 
 Usage: python tests/stress/fault_server.py serve <radixlm serve flags>
@@ -24,6 +26,7 @@ from pathlib import Path
 
 SAMPLE, GRAMMAR, DETOK, DIE, SLOW = 7001, 7002, 7003, 7004, 7005
 FORWARD = [49100, 49101, 49102]
+SCHEDULE = [49103, 49104, 49105]
 
 
 class InjectedThreadDeath(BaseException):
@@ -32,6 +35,7 @@ class InjectedThreadDeath(BaseException):
 
 
 def install() -> None:
+    from radixlm.radix import RadixCache
     from radixlm.runtime import constrained, detokenizer, model_runner, sampler, scheduler
     from radixlm.runtime.grammar import auto_backend
 
@@ -88,6 +92,16 @@ def install() -> None:
         return forward(self, batch, *args, **kwargs)
 
     model_runner.ModelRunner.forward = faulty_forward  # type: ignore[method-assign]
+
+    match_prefix = RadixCache.match_prefix
+
+    def faulty_match(self, tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        ids = list(tokens)
+        if any(ids[i : i + 3] == SCHEDULE for i in range(len(ids) - 2)):
+            raise RuntimeError("injected scheduling fault")
+        return match_prefix(self, tokens, *args, **kwargs)
+
+    RadixCache.match_prefix = faulty_match  # type: ignore[method-assign]
 
     compile_ = auto_backend.AutoBackend.compile  # the default backend
 

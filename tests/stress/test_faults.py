@@ -1,10 +1,10 @@
 """Faults injected through `fault_server.py`'s hooks: an exception in one request's sampling,
-grammar or detokenization, or in a forward its prompt is part of, fails that request only
-(the others in flight finish with the output they get alone); a compile timeout is a 503 with
-the reason; over-long prompts are 400s; a deadline aborts a request (408) and frees its pages;
-a full queue is a 503 with Retry-After; the engine thread dying makes /health fail and the
-process exit 1; SIGTERM lets short requests finish, fails the rest with a clear error and
-exits 0. Nothing leaks."""
+grammar, detokenization or scheduling, or in a forward its prompt is part of, fails that
+request only (the others in flight finish with the output they get alone); a compile timeout
+is a 503 with the reason; over-long prompts are 400s; a deadline aborts a request (408) and
+frees its pages; a full queue is a 503 with Retry-After; the engine thread dying makes /health
+fail and the process exit 1; SIGTERM lets short requests finish, fails the rest with a clear
+error and exits 0. Nothing leaks."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fault_server import DETOK, DIE, FORWARD, GRAMMAR, SAMPLE, SLOW
+from fault_server import DETOK, DIE, FORWARD, GRAMMAR, SAMPLE, SCHEDULE, SLOW
 from live_server import Server, launch_server
 from stress_support import FAULT_SERVER, assert_clean, normal_request, wait_exit
 
@@ -66,6 +66,11 @@ BAD_REQUESTS = {
         G,
         {"input_ids": [5, *FORWARD, 7], "sampling_params": {"max_new_tokens": 4}},
         "injected forward fault",
+    ),
+    "scheduling": (
+        G,
+        {"input_ids": [5, *SCHEDULE, 7], "sampling_params": {"max_new_tokens": 4}},
+        "injected scheduling fault",
     ),
 }
 
