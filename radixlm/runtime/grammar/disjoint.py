@@ -12,7 +12,8 @@ members, each a superset of it; a schema with ``anyOf`` / ``oneOf`` is a subset 
   (checked with ``jsonschema`` itself);
 - numeric ranges that do not overlap;
 - objects: a property required by one side whose value schemas are disjoint (a property that
-  the other side forbids, e.g. under ``additionalProperties: false``, has the ``false`` schema).
+  the other side forbids, e.g. under ``additionalProperties: false``, has the ``false`` schema);
+- arrays that one side requires to be non-empty, with disjoint ``items`` schemas.
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ class DisjointChecker:
                     return True
         if common == {"number"} and self._ranges_disjoint(fa, fb):
             return True
+        if common == {"array"} and self._arrays_disjoint(fa, fb, depth):
+            return True
         return common == {"object"} and self._objects_disjoint(fa, fb, depth)
 
     def _ranges_disjoint(self, fa: list[Any], fb: list[Any]) -> bool:
@@ -206,6 +209,18 @@ class DisjointChecker:
         return (
             hi1 < lo2 or (hi1 == lo2 and (hx1 or lx2)) or hi2 < lo1 or (hi2 == lo1 and (hx2 or lx1))
         )
+
+    def _arrays_disjoint(self, fa: list[Any], fb: list[Any], depth: int) -> bool:
+        """Both non-empty arrays (a ``minItems`` >= 1 on either side: the other side must then
+        hold an element too) whose ``items`` schemas are disjoint: no first element fits both."""
+        facets = [f for f in fa + fb if isinstance(f, dict)]
+        if any("prefixItems" in f or isinstance(f.get("items"), list) for f in facets):
+            return False
+        if not any(is_number(f.get("minItems")) and f["minItems"] >= 1 for f in facets):
+            return False
+        ia = [f["items"] for f in fa if isinstance(f, dict) and "items" in f]
+        ib = [f["items"] for f in fb if isinstance(f, dict) and "items" in f]
+        return any(self.disjoint(x, y, depth + 1) for x in ia for y in ib)
 
     def _objects_disjoint(self, fa: list[Any], fb: list[Any], depth: int) -> bool:
         def required(fs: list[Any]) -> set[str]:

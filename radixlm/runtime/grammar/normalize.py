@@ -54,7 +54,7 @@ import itertools
 import json
 from typing import Any
 
-from radixlm.runtime.grammar.disjoint import json_equal, one_of_disjoint
+from radixlm.runtime.grammar.disjoint import DisjointChecker, json_equal, one_of_disjoint
 from radixlm.runtime.grammar.formats import FORMAT_PATTERNS
 from radixlm.runtime.grammar.patterns import (
     matches_every_name,
@@ -87,6 +87,8 @@ _MAX_UNIQUE_VALUES = 4
 _MAX_UNIQUE_ARRAYS = 128
 _MAX_DISTRIBUTED_BYTES = 256 * 1024
 _MAX_ONE_OF = 4
+_MAX_NARROWED_ONE_OF = 16
+_MAX_NARROWINGS = 12
 # Keys that stay at a rewritten node instead of being copied into its anyOf branches.
 _HOST = ("$schema", "$id", "$defs", "definitions", "$comment", "title", "description",
          "default", "examples")  # fmt: skip
@@ -169,6 +171,13 @@ class _Normalizer:
         self._inlining: list[str] = []  # references being inlined (cycle guard)
         self._size = 0  # bytes of schema text created by distributing siblings
         self._subsets: SubsetChecker | None = None
+        self._disjoint: DisjointChecker | None = None
+
+    @property
+    def disjoint(self) -> DisjointChecker:
+        if self._disjoint is None:
+            self._disjoint = DisjointChecker(self.draft.root)
+        return self._disjoint
 
     @property
     def subsets(self) -> SubsetChecker:
@@ -210,7 +219,8 @@ class _Normalizer:
         steps = (
             self._no_ops, self._formats, self._boolean_bounds, self._items_array, self._all_of,
             self._declare_required, self._pattern_overlaps, self._unique_items,
-            self._if_then_else, self._dependencies, self._not, self._one_of, self._implied_type,
+            self._if_then_else, self._dependencies, self._not, self._one_of,
+            self._one_of_made_disjoint, self._implied_type,
             self._distribute, self._finite,
         ) if self.movable else local  # fmt: skip
         for step in steps:
@@ -265,6 +275,8 @@ class _Normalizer:
     def merge(self, a: dict[str, Any], b: dict[str, Any], depth: int) -> Any:
         """``a`` and ``b`` as one schema object, ``False`` when no instance can satisfy both,
         or None if that cannot be exact."""
+        if all(k in a and json_equal(a[k], v) for k, v in b.items()):
+            return dict(a)  # b restates keywords of a: implied
         if any(k in b for k in _NO_MERGE) or any(
             k in a for k in _NO_MERGE - {"$defs", "definitions", "$schema", "$id"}
         ):
@@ -667,6 +679,55 @@ class _Normalizer:
             cases += combos
         out = self._branches({k: v for k, v in s.items() if k != "oneOf"}, cases, depth)
         return s if out is None else out
+
+    def _one_of_made_disjoint(self, s: dict[str, Any], depth: int) -> Any:
+        """Over-strict, never invalid: a ``oneOf`` still there (not proven disjoint, no exact
+        rewrite) -> an ``anyOf`` of its branches, each narrowed (``_narrowings``) until it is
+        proven disjoint from every other, unnarrowed branch. An instance of a narrowed branch
+        then matches that branch and no other: exactly one, as ``oneOf`` asks. Instances
+        that only the narrowing leaves out (an object without its discriminator, an empty
+        array) are no longer generated. A branch that cannot be narrowed so is dropped when it
+        is a proven subset of another (each of its instances matches two branches: none is
+        valid); else the ``oneOf`` stays."""
+        branches = s.get("oneOf")
+        if not isinstance(branches, list) or not 2 <= len(branches) <= _MAX_NARROWED_ONE_OF:
+            return s
+        if "oneOf" not in self.draft.keywords or "anyOf" in s:
+            return s
+        siblings = {k: v for k, v in s.items() if k != "oneOf" and k not in _HOST}
+        full = [{"allOf": [b, siblings]} for b in branches]
+        narrowed = []
+        for i, branch in enumerate(branches):
+            for extra in self._narrowings(self.inline(branch, depth)):
+                mine = {"allOf": [branch, extra, siblings]}
+                if all(self.disjoint.disjoint(mine, f) for j, f in enumerate(full) if j != i):
+                    narrowed.append(self.conj([self.inline(branch, depth), extra], depth))
+                    break
+            else:  # exact to drop only if every instance of it matches another branch too
+                if not any(self.subsets.subset(branch, b) for b in branches if b is not branch):
+                    return s
+        if not narrowed:
+            return s
+        host = {k: v for k, v in s.items() if k != "oneOf"}
+        return {**host, "anyOf": narrowed}
+
+    @staticmethod
+    def _narrowings(branch: Any) -> list[dict[str, Any]]:
+        """Schemas to intersect a ``oneOf`` branch with, weakest first: nothing; for an object,
+        "is an object holding property k" for each declared k (those with a finite value set,
+        likely a discriminator, first); for an array, "not empty"."""
+        out: list[dict[str, Any]] = [{}]
+        if not isinstance(branch, dict):
+            return out
+        props = branch.get("properties")
+        if isinstance(props, dict) and branch.get("type", "object") == "object":
+            required = branch.get("required") if isinstance(branch.get("required"), list) else []
+            names = [n for n in props if n not in required and props[n] is not False]
+            names.sort(key=lambda n: finite_values(props[n]) is None)
+            out += [{"type": "object", "required": [n]} for n in names[:_MAX_NARROWINGS]]
+        if branch.get("type") == "array" and not branch.get("minItems"):
+            out.append({"minItems": 1})
+        return out
 
     def _dependencies(self, s: dict[str, Any], depth: int) -> Any:
         deps: list[tuple[str, Any]] = []  # (trigger, dependent schema)
