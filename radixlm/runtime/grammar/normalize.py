@@ -39,6 +39,9 @@ refuses it by name. Rewrites, bottom-up:
 - ``required`` names that ``properties`` does not declare are declared, with the
   ``additionalProperties`` schema (or any value), when no ``patternProperties`` is present.
 
+One rewrite is over-strict instead of exact (never invalid, fewer instances): a ``oneOf``
+left after the above, its branches narrowed until provably disjoint (``_one_of_made_disjoint``).
+
 ``lower_for_backends`` then removes ``false`` property schemas where the backends' "only
 declared properties" behaviour already excludes the property (they cannot compile ``false``).
 
