@@ -259,11 +259,15 @@ class Generation:
 
 
 def generate(
-    picked: list[tuple[str, Path]], accepted: set[str], per_subset: int, max_tokens: int
+    picked: list[tuple[str, Path]],
+    accepted: set[str],
+    per_subset: int,
+    max_tokens: int,
+    repeat: int = 1,
 ) -> list[Generation]:
-    """On the default model (engine defaults: the ``auto`` grammar backend, strict mode), one
-    sampled generation per accepted schema (``per_subset`` of each subset, one batch): the
-    output is parsed and validated with ``jsonschema`` and its format checker."""
+    """On the default model (engine defaults: the ``auto`` grammar backend, strict mode),
+    ``repeat`` sampled generations per accepted schema (``per_subset`` of each subset, one
+    batch): each output is parsed and validated with ``jsonschema`` and its format checker."""
     import jsonschema
 
     from radixlm import Engine, SamplingParams
@@ -272,6 +276,7 @@ def generate(
     for subset in dict.fromkeys(s for s, _ in picked):
         files = [(s, p) for s, p in picked if s == subset and f"{s}/{p.name}" in accepted]
         chosen += files[:per_subset]
+    chosen = [c for c in chosen for _ in range(repeat)]
     engine = Engine(None, num_threads=2)
     try:
         prompts, params = [], []
@@ -330,10 +335,15 @@ def main() -> None:
                     help="also generate on the default model for N accepted schemas per subset "
                     "(those the first backend of --backends accepted)")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--files", help="SUBSET/FILE,... : these schemas instead of the sample")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="generations per chosen schema (sampling seeds 0..N-1)")  # fmt: skip
     args = ap.parse_args()
 
     subsets = args.subsets.split(",")
-    if args.maskbench:
+    if args.files:
+        picked = [(f.split("/")[0], args.data / f) for f in args.files.split(",")]
+    elif args.maskbench:
         picked = sample_maskbench(args.maskbench, subsets, args.per_subset, args.seed)
     else:
         picked = sample(args.data, subsets, args.per_subset, args.seed)
@@ -374,7 +384,7 @@ def main() -> None:
         first = args.backends.split(",")[0]
         accepted = {f"{o.subset}/{o.file}" for o in outcomes
                     if o.backend == first and o.status == "accepted"}  # fmt: skip
-        gens = generate(picked, accepted, args.generate, args.max_tokens)
+        gens = generate(picked, accepted, args.generate, args.max_tokens, args.repeat)
         print(f"\ngeneration ({first} accepted, default model, temperature 0.7, "
               f"max_tokens {args.max_tokens}):")  # fmt: skip
         print(f"{'subset':<16} {'n':>4} {'valid':>7} {'cut':>7} {'invalid':>7} {'error':>6}")
