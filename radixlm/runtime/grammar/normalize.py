@@ -175,6 +175,7 @@ class _Normalizer:
         self._size = 0  # bytes of schema text created by distributing siblings
         self._subsets: SubsetChecker | None = None
         self._disjoint: DisjointChecker | None = None
+        self._inlined: dict[str, Any] = {}  # reference -> its normalized target
 
     @property
     def disjoint(self) -> DisjointChecker:
@@ -198,14 +199,18 @@ class _Normalizer:
         ref = s["$ref"]
         if ref in self._inlining or depth > _MAX_DEPTH or not ref.startswith("#/"):
             return s
+        if ref in self._inlined:  # a partly inlined result is as exact as a full one
+            return copy.deepcopy(self._inlined[ref])
         target = resolve_pointer(self.draft.root, ref)
         if target is None:
             return s
         self._inlining.append(ref)
         try:
-            return self.node(copy.deepcopy(target), depth + 1)
+            out = self.node(copy.deepcopy(target), depth + 1)
         finally:
             self._inlining.pop()
+        self._inlined[ref] = out
+        return copy.deepcopy(out)
 
     # ---- traversal -----------------------------------------------------------------------------
 
@@ -701,10 +706,11 @@ class _Normalizer:
         full = [{"allOf": [b, siblings]} for b in branches]
         narrowed = []
         for i, branch in enumerate(branches):
-            for extra in self._narrowings(self.inline(branch, depth)):
+            target = self.inline(branch, depth)
+            for extra in self._narrowings(target):
                 mine = {"allOf": [branch, extra, siblings]}
                 if all(self.disjoint.disjoint(mine, f) for j, f in enumerate(full) if j != i):
-                    narrowed.append(self.conj([self.inline(branch, depth), extra], depth))
+                    narrowed.append(self.conj([target, extra], depth) if extra else branch)
                     break
             else:  # exact to drop only if every instance of it matches another branch too
                 if not any(self.subsets.subset(branch, b) for b in branches if b is not branch):
