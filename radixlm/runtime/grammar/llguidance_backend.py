@@ -16,8 +16,9 @@ Notes on llguidance 1.9:
   EOS is never passed to llguidance: this
   wrapper accepts it (when the text is a full match) and tracks termination itself, because
   llguidance also reports "stopped" for a grammar that can only end.
-- Building a matcher parses the grammar (up to ~1 s for huge schemas); a compiled grammar keeps
-  one template matcher and gives each sequence a ``deep_copy`` (cheap: the grammar is shared).
+- Building a matcher parses the grammar (up to ~1.5 s for huge schemas); a compiled grammar
+  keeps one template matcher and gives each sequence a ``deep_copy`` (cheap: the grammar is
+  shared). ``validate`` builds that template and ``compile`` takes it, so it is built once.
 - Special tokens and padding rows of the vocabulary are given llguidance's special-token form
   (``\\xff`` + a name) so that no grammar can produce them.
 """
@@ -25,7 +26,9 @@ Notes on llguidance 1.9:
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import llguidance as llg
@@ -48,6 +51,7 @@ from radixlm.runtime.grammar.strict import LLGUIDANCE_SUPPORT, prepared_schema_t
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, TRIGGER, ToolCallsSpec, call_begin
 
+_MAX_VALIDATED = 8  # templates kept between validate and compile
 _WHITESPACE = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
 
 
@@ -170,6 +174,10 @@ class LLGuidanceBackend(GrammarBackend):
     def __init__(self, vocab: TokenVocab) -> None:
         super().__init__(vocab)
         self.tokenizer = make_tokenizer(vocab)
+        self._lock = threading.Lock()
+        # Templates built by validate, until their compile takes them (LRU: a validated
+        # constraint that is never compiled, e.g. a tool's parameters, ages out).
+        self._validated: OrderedDict[Constraint, llg.LLMatcher] = OrderedDict()
 
     def grammar(self, c: Constraint) -> str:
         """llguidance's grammar text for ``c`` (cheap: no parsing yet)."""
@@ -226,25 +234,31 @@ class LLGuidanceBackend(GrammarBackend):
             ]
         )
 
-    def _checked_grammar(self, c: Constraint) -> str:
-        """``grammar(c)``, checked by llguidance (parse, unimplemented keywords, unsatisfiable
-        schemas, regex syntax) without building a parser: raises ``GrammarError``."""
-        grammar = self.grammar(c)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if is_error:
-            raise GrammarError(f"invalid {c.kind}: {_clean(messages[0] if messages else '')}")
-        return grammar
+    def _build(self, c: Constraint) -> llg.LLMatcher:
+        """A template matcher for ``c``: llguidance parses the grammar and reports what is wrong
+        with it (unimplemented keywords, unsatisfiable schemas, regex syntax) as
+        ``GrammarError``."""
+        template = llg.LLMatcher(self.tokenizer, self.grammar(c), log_level=0)
+        if template.is_error():
+            raise GrammarError(f"invalid {c.kind}: {_clean(template.get_error())}")
+        return template
 
     def _validate_syntax(self, constraint: Constraint) -> None:
-        self._checked_grammar(constraint)
+        """Build the matcher (checking without building costs as much: ~1.5 s for the largest
+        schemas) and keep it for the ``compile`` that follows a validation."""
+        template = self._build(constraint)
+        with self._lock:
+            self._validated[constraint] = template
+            while len(self._validated) > _MAX_VALIDATED:
+                self._validated.popitem(last=False)
 
     def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
         start = time.perf_counter()
         self.check_semantics(constraint)
-        # NOTE: building the matcher reports what validate_grammar would (at the same cost).
-        template = llg.LLMatcher(self.tokenizer, self.grammar(constraint), log_level=0)
-        if template.is_error():
-            raise GrammarError(f"invalid {constraint.kind}: {_clean(template.get_error())}")
+        with self._lock:
+            template = self._validated.pop(constraint, None)
+        if template is None:
+            template = self._build(constraint)
         return LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
 
 

@@ -95,6 +95,7 @@ class GrammarManager:
         self.jump_forward_enabled = jump_forward_enabled
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="radixlm-grammar")
         self._cache: OrderedDict[_Key, Future[CompiledGrammar]] = OrderedDict()
+        self._validated: OrderedDict[Constraint, None] = OrderedDict()  # LRU of passes
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -112,8 +113,18 @@ class GrammarManager:
     def validate(self, constraint: Constraint) -> None:
         """Cheap checks (no compile): raises ``GrammarError`` naming the problem: an
         unsupported kind, an invalid schema, unsupported schema keywords (listed), bad regex /
-        EBNF syntax where parsing is cheap. ``compile_sync`` catches everything."""
+        EBNF syntax where parsing is cheap. ``compile_sync`` catches everything. A pass is
+        remembered (per constraint, as many as the compile cache holds): the checks are
+        deterministic, and requests that share a schema would otherwise each repeat them."""
+        with self._lock:
+            if constraint in self._validated:
+                self._validated.move_to_end(constraint)
+                return
         self.backend.validate(constraint)
+        with self._lock:
+            self._validated[constraint] = None
+            while len(self._validated) > self.cache_size:
+                self._validated.popitem(last=False)
 
     def submit(self, constraint: Constraint) -> Future[CompiledGrammar]:
         """A future of the compiled grammar; never blocks. A cached constraint returns an

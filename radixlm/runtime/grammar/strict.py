@@ -334,13 +334,18 @@ def _metaschema_checked(spec: str) -> None:
     check_metaschema(json.loads(spec))
 
 
-@functools.lru_cache(maxsize=512)
 def prepared_schema_text(spec: str, lower: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
     rewrites), then (``lower``: for backends that generate declared properties only)
     ``normalize.lower_for_backends``, as compact JSON (key order kept). The result is written
     in 2020-12 keywords (``prefixItems``, numeric exclusive bounds, ...) and says so in its
-    ``$schema`` (llguidance reads keywords by the declared draft)."""
+    ``$schema`` (llguidance reads keywords by the declared draft). Remembered per
+    ``(spec, lower)``: validation and compilation of one request prepare the same text."""
+    return _prepared_schema_text(spec, lower)  # NOTE: positional, so that both calls share keys
+
+
+@functools.lru_cache(maxsize=512)
+def _prepared_schema_text(spec: str, lower: bool) -> str:
     schema = normalize_schema(json.loads(spec))
     if isinstance(schema, dict) and "$schema" in schema:
         schema = {**schema, "$schema": DRAFT_2020_12}

@@ -8,7 +8,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 import pytest
-from grammar_helpers import EOS, VOCAB_SIZE
+from grammar_helpers import EOS, VOCAB_SIZE, walk
 
 from radixlm.runtime.grammar import (
     CompiledGrammar,
@@ -160,3 +160,55 @@ def test_new_matcher_rebuilds_from_tokens(
         ids = tokenizer.encode("[1,2,3]")
         m = mgr.new_matcher(compiled, ids)
         assert m.num_accepted == len(ids) and m.is_completed()
+
+
+class CountingBackend(SlowBackend):
+    """Counts ``validate`` calls; compiles without waiting."""
+
+    def __init__(self, inner: GrammarBackend) -> None:
+        super().__init__(inner, delay_s=0.001)
+        self.validations = 0
+
+    def validate(self, constraint: Constraint) -> None:
+        self.validations += 1
+        self.inner.validate(constraint)
+
+
+def test_a_passed_validation_is_remembered_a_failed_one_is_not(
+    backends: dict[str, GrammarBackend],
+) -> None:
+    counting = CountingBackend(backends["llguidance"])
+    with GrammarManager(None, 0, (), counting, cache_size=2) as mgr:
+        schema = _c(json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+        for _ in range(3):
+            mgr.validate(schema)
+        assert counting.validations == 1
+        bad = _c(regex="a(b")
+        for _ in range(2):
+            with pytest.raises(GrammarError, match="regex"):
+                mgr.validate(bad)
+        assert counting.validations == 3  # a refusal is checked again (and refused again)
+        for x in "xy":  # two others push the schema out of the 2-entry memory
+            mgr.validate(_c(choices=[x]))
+        mgr.validate(schema)
+        assert counting.validations == 6
+
+
+def test_llguidance_builds_the_matcher_once_for_validate_then_compile(
+    backends: dict[str, GrammarBackend], tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = backends["llguidance"]
+    built: list[Constraint] = []
+    real = type(backend)._build
+
+    def counted(self: Any, c: Constraint) -> Any:
+        built.append(c)
+        return real(self, c)
+
+    monkeypatch.setattr(type(backend), "_build", counted)
+    c = _c(json_schema={"type": "array", "items": {"enum": ["p", "q"]}, "maxItems": 2})
+    backend.validate(c)
+    compiled = backend.compile(c)
+    assert built == [c]
+    walk(compiled.new_matcher(), tokenizer.encode('["p","q"]', add_special_tokens=False))
+    assert backend.compile(c) is not compiled and built == [c, c]  # taken: built afresh

@@ -411,3 +411,21 @@ def test_optional_groups_in_patterns_are_exact(backend: str, pattern: str) -> No
     for text in ["ba", "a", "aba", "abba", "bba", "b@a", "bb@aa", "x", "xy", "xyy", ""]:
         accepted = grammar_accepts(compiled.new_matcher(), json.dumps(text))
         assert accepted == bool(re.search(pattern, text)), (pattern, text)
+
+
+def test_validate_and_compile_normalize_a_schema_once(
+    backends: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``check_schema`` (validate) and the backend's grammar (compile) prepare the same text:
+    one normalization, whichever way each passes ``lower``."""
+    import radixlm.runtime.grammar.strict as strict
+
+    calls: list[Any] = []
+    real = strict.normalize_schema
+    monkeypatch.setattr(strict, "normalize_schema", lambda s: calls.append(s) or real(s))
+    schema = {"title": "normalized once", "properties": {"n": {"type": "integer"}}}
+    c = Constraint.from_params(json_schema=schema)  # a text no other test prepares
+    assert c is not None
+    backends["llguidance"].validate(c)
+    backends["llguidance"].compile(c)
+    assert len(calls) == 1
