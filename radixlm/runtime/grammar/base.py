@@ -343,9 +343,10 @@ class GrammarBackend(abc.ABC):
         self.vocab = vocab
 
     def validate(self, constraint: Constraint) -> None:
-        """Cheap checks without compiling: kind supported, schema valid against its
-        metaschema and free of keywords this backend would ignore (unless best effort), regex /
-        grammar syntax where the backend can parse it cheaply."""
+        """Checks before compiling: kind supported, schema valid against its metaschema and
+        free of keywords this backend would ignore (unless best effort), regex / grammar syntax
+        where the backend can parse it without precomputing masks (llguidance parses fully and
+        keeps the result for ``compile``)."""
         self.check_semantics(constraint)
         self._validate_syntax(constraint)
 

@@ -111,7 +111,7 @@ class GrammarManager:
     # ---- compile -------------------------------------------------------------------------------
 
     def validate(self, constraint: Constraint) -> None:
-        """Cheap checks (no compile): raises ``GrammarError`` naming the problem: an
+        """Checks before compiling: raises ``GrammarError`` naming the problem: an
         unsupported kind, an invalid schema, unsupported schema keywords (listed), bad regex /
         EBNF syntax where parsing is cheap. ``compile_sync`` catches everything. A pass is
         remembered (per constraint, as many as the compile cache holds): the checks are
