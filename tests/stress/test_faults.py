@@ -187,14 +187,26 @@ def small_server(tmp_path: Path, tiny_llama_dir: Path) -> Iterator[Server]:
 
 
 def _long(k: int) -> dict[str, Any]:
-    return {"prompt": f"Long {k}", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    """A stream that stays in flight for seconds on any machine (50 ms per step)."""
+    body = {"prompt": f"Long {k}", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    return {**body, "seed": SLOW}
+
+
+async def _wait_queued(client: httpx.AsyncClient, n: int) -> None:
+    """Until `n` requests wait behind the running one (polled, not slept: CI is slow)."""
+    for _ in range(1000):
+        load = (await client.get("/get_load")).json()[0]
+        if load["num_waiting_reqs"] >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the queue never held {n} requests: {load}")
 
 
 def test_queue_bound_and_sigterm(small_server: Server) -> None:
     async def main() -> None:
         async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as client:
             streams = [asyncio.ensure_future(_stream_events(client, _long(k))) for k in range(3)]
-            await asyncio.sleep(0.5)  # one runs, two wait: the queue is full
+            await _wait_queued(client, 2)  # one runs, two wait: the queue is full
             r = await client.post(C, json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
             assert "--max-queued-requests" in r.json()["error"]["message"]
@@ -205,9 +217,8 @@ def test_queue_bound_and_sigterm(small_server: Server) -> None:
             r = await client.post(C, json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
             results = await asyncio.gather(*streams)
-            # Each stream ends either finished (the running one may complete its 400 tokens
-            # within the 2 s shutdown timeout on a fast box) or with the shutting_down error;
-            # the queued ones cannot all run 400 tokens each, one at a time, in 2 s.
+            # Each stream ends with the shutting_down error (400 steps of 50 ms cannot finish
+            # within the 2 s shutdown timeout); a finished stream would have to end by length.
             ends = []
             for events in results:
                 last = events[-1]
