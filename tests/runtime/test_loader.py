@@ -75,7 +75,7 @@ def test_default_model_second_resolve_reuses_cache(default_model_dir: Path) -> N
         start = time.perf_counter()
         for name in (None, "default", DEFAULT_MODEL):
             assert resolve_model_path(name) == default_model_dir
-        assert time.perf_counter() - start < 1.0
+        assert time.perf_counter() - start < 10  # no hashing or reading of the weights
     boom.assert_not_called()
 
 

@@ -192,28 +192,36 @@ def _long(k: int) -> dict[str, Any]:
     return {**body, "seed": SLOW}
 
 
-async def _wait_queued(client: httpx.AsyncClient, n: int) -> None:
-    """Until `n` requests wait behind the running one (polled, not slept: CI is slow)."""
+async def _wait_load(client: httpx.AsyncClient, reqs: int, waiting: int) -> None:
+    """Until the engine holds `reqs` requests, `waiting` of them queued (polled, not slept:
+    CI is slow)."""
     for _ in range(1000):
         load = (await client.get("/get_load")).json()[0]
-        if load["num_waiting_reqs"] >= n:
+        if load["num_reqs"] == reqs and load["num_waiting_reqs"] == waiting:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"the queue never held {n} requests: {load}")
+    raise AssertionError(f"the engine never held {reqs} requests ({waiting} waiting): {load}")
 
 
 def test_queue_bound_and_sigterm(small_server: Server) -> None:
     async def main() -> None:
         async with httpx.AsyncClient(base_url=small_server.url, timeout=60) as client:
-            streams = [asyncio.ensure_future(_stream_events(client, _long(k))) for k in range(3)]
-            await _wait_queued(client, 2)  # one runs, two wait: the queue is full
+            # One runs, then two wait: the queue is full. (Sent together, the third could find
+            # all three still queued and be refused.)
+            streams = [asyncio.ensure_future(_stream_events(client, _long(0)))]
+            await _wait_load(client, reqs=1, waiting=0)
+            streams += [asyncio.ensure_future(_stream_events(client, _long(k))) for k in (1, 2)]
+            await _wait_load(client, reqs=3, waiting=2)
             r = await client.post(C, json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
             assert "--max-queued-requests" in r.json()["error"]["message"]
             small_server.process.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            health = await client.get("/health")
-            assert health.status_code == 503
+            for _ in range(500):  # the signal is handled between event-loop callbacks
+                health = await client.get("/health")
+                if health.status_code == 503:
+                    break
+                await asyncio.sleep(0.01)
+            assert health.status_code == 503, health.text
             r = await client.post(C, json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
             results = await asyncio.gather(*streams)

@@ -76,10 +76,8 @@ def test_submit_runs_in_the_pool_and_caches(slow: SlowBackend) -> None:
         compiled = f1.result(timeout=10)
         assert f2.result(timeout=10) is compiled
         assert slow.calls == 1 and all(t.startswith("radixlm-grammar") for t in slow.threads)
-        start = time.perf_counter()
         f3 = mgr.submit(c)
         assert f3.done() and f3.result() is compiled  # cached: completed immediately
-        assert time.perf_counter() - start < 0.05
         assert mgr.compile_sync(_c(regex="[a-z]+")) is compiled
         assert mgr.cache_info() == {"hits": 3, "misses": 1, "size": 1}
         assert slow.calls == 1
