@@ -5,8 +5,9 @@ and SGLang-native (`/generate`, `/get_model_info`, `/health`, `/flush_cache`, `/
     radixlm serve [--model PATH_OR_GGUF] [--host 127.0.0.1] [--port 30000] [engine flags...]
 
 Modules: `protocol` (pydantic request models), `serving` (engine bridge: `EngineClient`,
-`RequestGroup`, `ServerConfig`), `openai_api` / `native_api` (routes), `errors` (OpenAI-style
-error bodies), `metrics`, `app` (`create_app`), `launch` (uvicorn runner).
+`ServerConfig`), `request_group` (one HTTP request's prompts in flight: `RequestGroup`),
+`openai_api` / `native_api` (routes), `errors` (OpenAI-style error bodies), `metrics`, `app`
+(`create_app`), `launch` (uvicorn runner).
 """
 
 from __future__ import annotations

@@ -54,11 +54,10 @@ from radixlm.server.protocol import (
     GenerateReqInput,
     NativeSamplingParams,
 )
+from radixlm.server.request_group import GenerationRequest, RequestGroup
 from radixlm.server.serving import (
     SSE_DONE,
     EngineClient,
-    GenerationRequest,
-    RequestGroup,
     collect,
     engine_client,
     error_event,

@@ -23,11 +23,10 @@ from radixlm.server.limits import (
     check_top_logprobs,
 )
 from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
+from radixlm.server.request_group import GenerationRequest, RequestGroup
 from radixlm.server.serving import (
     SSE_DONE,
     EngineClient,
-    GenerationRequest,
-    RequestGroup,
     engine_client,
     error_event,
     respond,
