@@ -46,11 +46,8 @@ class Engine:
     """`Engine(model=None, dtype="bfloat16", **config)`; see `EngineConfig` for the knobs."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
-        from radixlm.runtime.models.loader import (
-            load_model_info,
-            load_tokenizer,
-            resolve_model_path,
-        )
+        from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
+        from radixlm.runtime.models.model_info import load_model_info
 
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
         cfg = self.config
@@ -109,7 +106,7 @@ class Engine:
         starts the other ranks and runs every forward on all of them)."""
         cfg = self.config
         args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
-        from radixlm.runtime.models.loader import context_length
+        from radixlm.runtime.models.model_info import context_length
 
         max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
         if cfg.tp_size == 1:

@@ -15,7 +15,7 @@ from radixlm.runtime.models.llama import MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
-    from radixlm.runtime.models.loader import ModelInfo
+    from radixlm.runtime.models.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class ModelRunner:
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
         `radixlm.runtime.models.cpu_linear` (the KV cache always has `dtype`)."""
         from radixlm.runtime.models.cpu_linear import add_lowp_copies, compute_dtype
-        from radixlm.runtime.models.loader import iter_safetensors, load_model_info
+        from radixlm.runtime.models.loader import iter_safetensors
+        from radixlm.runtime.models.model_info import load_model_info
 
         self.device = device
         self.dtype = DTYPES[dtype]  # the KV cache's (and, unless overridden, the compute's)

@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        from radixlm.runtime.models.loader import attention_biases
+        from radixlm.runtime.models.model_info import attention_biases
 
         attn_bias, out_bias = attention_biases(config)
         mlp_bias = bool(getattr(config, "mlp_bias", False))
