@@ -6,8 +6,8 @@ and SGLang-native (`/generate`, `/get_model_info`, `/health`, `/flush_cache`, `/
 
 Modules: `protocol` (pydantic request models), `serving` (engine bridge: `EngineClient`,
 `ServerConfig`), `request_group` (one HTTP request's prompts in flight: `RequestGroup`),
-`openai_api` / `native_api` (routes), `errors` (OpenAI-style error bodies), `metrics`, `app`
-(`create_app`), `launch` (uvicorn runner).
+`openai_api` / `native_api` / `control_api` / `router_api` (routes), `errors` (OpenAI-style
+error bodies), `metrics`, `app` (`create_app`), `launch` (uvicorn runner).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import radixlm
 from radixlm.runtime.engine import Engine
-from radixlm.server import dashboard, native_api, openai_api, router_api
+from radixlm.server import control_api, dashboard, native_api, openai_api, router_api
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
 from radixlm.server.limits import BodyGuard
 from radixlm.server.metrics import ServerMetrics
@@ -75,6 +75,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(control_api.router)
     app.include_router(router_api.router)
     app.state.dashboard = dashboard.DashboardHub(
         engine, metrics, show_text=config.dashboard_show_text

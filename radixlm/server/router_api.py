@@ -6,7 +6,7 @@ a SGLang worker, so that a `radixlm serve` process is a first-class worker behin
   `version`, ...). The router probes it to tell an SGLang worker from a vLLM one when
   `/v1/models` `owned_by` is not a name it knows (here: `radixlm`), and reads `dp_size` from it.
 - `GET /model_info`: `model_path`, `tokenizer_path`, `is_generation`, `model_type`,
-  `architectures`, `eos_token_ids`. The `/get_*` spellings stay in `native_api` (deprecated
+  `architectures`, `eos_token_ids`. The `/get_*` spellings are in `control_api` (deprecated
   there, still read by older clients).
 - `GET /v1/loads`: the router's `WorkerLoadResponse` (one scheduler: `dp_rank_count` 1),
   polled by its load monitor for the load-aware policies and the cache-aware policy's
