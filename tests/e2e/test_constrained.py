@@ -28,9 +28,10 @@ _RESULTS: dict[str, dict[str, Any]] = {}
 
 def _engine(model_dir: Any, key: str, **kw: Any) -> Engine:
     if key not in _ENGINES:
+        # A long grammar timeout: many cold compiles queue on two workers on a slow CI box.
         _ENGINES[key] = Engine(
             str(model_dir), dtype="float32", num_pages=kw.pop("num_pages", 512),
-            debug_integrity=True, **kw,
+            debug_integrity=True, grammar_timeout_s=300.0, **kw,
         )  # fmt: skip
     return _ENGINES[key]
 
@@ -81,11 +82,20 @@ def supported(engine: Engine) -> list[str]:
     return list(SCHEMAS)
 
 
+def precompile(engine: Engine, params: list[SamplingParams]) -> None:
+    """Compile every constraint first, so that a batch is admitted together (not staggered by
+    compile times) and its step counts do not depend on how fast the machine compiles."""
+    for p in params:
+        assert p.constraint is not None
+        engine.grammar_manager.compile_sync(p.constraint)
+
+
 def run_schemas(engine: Engine, key: str) -> dict[str, Any]:
     """All supported schemas in one batch (memoized per engine): results and forward count."""
     if key not in _RESULTS:
         names = supported(engine)
         params = [greedy({"json_schema": SCHEMAS[n][1]}) for n in names]
+        precompile(engine, params)
         before = engine.stats()
         results = engine.generate([schema_prompt(engine, n) for n in names], params)
         after = engine.stats()
@@ -330,6 +340,7 @@ def test_retraction_keeps_constrained_outputs(default_model_dir: Any, xgr: Engin
     # 4 prompts of 104-173 tokens (+ 20-40 generated each) in 24 pages of 16 tokens, prefilled
     # in chunks of 32 so that all are admitted: some must be retracted.
     small = _engine(default_model_dir, "small", num_pages=24, chunked_prefill_size=32)
+    precompile(small, params)
     got = small.generate(prompts, params)
     assert small.stats().num_retractions > 0
     for name, r, w in zip(names, got, want):
@@ -359,13 +370,13 @@ def test_slow_compile_blocks_nobody_and_a_timeout_fails_one_request(default_mode
 
         engine.submit(chat(engine, "A JSON object, please."), params, sink=sink, request_id=rid)
 
-    mgr.timeout_s = 0.2
+    timeout_s, mgr.timeout_s = mgr.timeout_s, 0.2
     try:
         submit("slow", greedy({"json_object": True, "whitespace": "any"}, max_new_tokens=8))
         submit("plain", greedy(max_new_tokens=4))
         finished = [done.get(timeout=120) for _ in range(2)]
     finally:
-        mgr.timeout_s = 30.0
+        mgr.timeout_s = timeout_s
     by_id = {rid: out for rid, _, out in finished}
     assert by_id["slow"].finish_reason == "error" and "longer than" in by_id["slow"].error
     assert by_id["plain"].finish_reason == "length" and by_id["plain"].error is None

@@ -23,9 +23,17 @@ class FakeBackend(BaseBackend):
     """`generate` answers `reply(prompt, params)`; tokens are characters; scores are
     `token_logprob` of each character (None at position 0)."""
 
-    def __init__(self, reply: Reply | None = None, stream_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        reply: Reply | None = None,
+        stream_delay: float = 0.0,
+        resume: threading.Event | None = None,
+    ) -> None:
         self.reply = reply or (lambda prompt, params: "ok")
         self.stream_delay = stream_delay
+        # When given, a stream pauses after its first piece until `resume` is set (a reader
+        # then sees at least two chunks, however slow the machine).
+        self.resume = resume
         self.calls: list[tuple[str, Any, Any]] = []  # (kind, prompt(s), params / starts)
         self.lock = threading.Lock()
 
@@ -47,6 +55,8 @@ class FakeBackend(BaseBackend):
         self._record("stream", prompt, params)
         text = self.reply(prompt, params)
         for i in range(0, len(text), 2):
+            if i and self.resume is not None:
+                self.resume.wait(timeout=30)
             time.sleep(self.stream_delay)
             yield text[i : i + 2], {"completion_tokens": i // 2 + 1}
 

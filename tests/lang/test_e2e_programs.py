@@ -232,7 +232,7 @@ def test_streaming_text_iter(backend):
     s = story.run(backend=backend, stream=True, temperature=0)
     chunks = list(s.text_iter("story"))
     assert s.error() is None
-    assert len(chunks) >= 3
+    assert len(chunks) >= 2  # incremental (a starved reader merges what arrived meanwhile)
     assert "".join(chunks) == s["story"]
     assert s.text() == "Once upon a time, in a small village by the sea," + s["story"]
 
@@ -246,7 +246,7 @@ def test_streaming_async_iter(backend):
         return [chunk async for chunk in s.text_async_iter("story")]
 
     chunks = asyncio.run(collect())
-    assert len(chunks) >= 3 and "".join(chunks) == s["story"]
+    assert len(chunks) >= 2 and "".join(chunks) == s["story"]
 
 
 LONG_PREFIX = "You are a quiz master. Answer each question with a single word.\n\n" + FEW_SHOT * 8

@@ -249,7 +249,8 @@ def test_stop_regex_reaches_the_backend_and_run_defaults_apply():
 
 
 def test_streaming_text_iter_and_async_iter():
-    be = FakeBackend(lambda prompt, p: "one two three four", stream_delay=0.01)
+    resume = threading.Event()
+    be = FakeBackend(lambda prompt, p: "one two three four", stream_delay=0.01, resume=resume)
 
     @sgl.function
     def prog(s):
@@ -257,7 +258,10 @@ def test_streaming_text_iter_and_async_iter():
         s += " end"
 
     s = prog.run(backend=be, stream=True)
-    chunks = list(s.text_iter("words"))
+    it = s.text_iter("words")
+    chunks = [next(it)]  # the stream holds its second piece until resumed
+    resume.set()
+    chunks += list(it)
     assert len(chunks) > 1 and "".join(chunks) == "one two three four"
     assert "".join(s.text_iter()) == "Say:one two three four end" == s.text()
 

@@ -70,12 +70,12 @@ def read_events(server, n: int, timeout: float = 30.0) -> list[dict[str, Any]]:
 
 
 def test_page_and_static_files_are_public(server) -> None:
-    r = httpx.get(f"{server.url}/dashboard")
+    r = httpx.get(f"{server.url}/dashboard", timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "/dashboard/static/dashboard.js" in r.text
     for name in ("dashboard.js", "dashboard.css"):
-        assert httpx.get(f"{server.url}/dashboard/static/{name}").status_code == 200
-    assert httpx.get(f"{server.url}/dashboard/static/nope.js").status_code == 404
+        assert httpx.get(f"{server.url}/dashboard/static/{name}", timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/dashboard/static/nope.js", timeout=30).status_code == 404
 
 
 @pytest.mark.parametrize("path", ["/dashboard/stream", "/dashboard/snapshot"])

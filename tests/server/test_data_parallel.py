@@ -138,7 +138,8 @@ def _run_workload(url: str, worker_urls: list[str]) -> tuple[float, list[int]]:
     """Interleaved conversations through `url`; returns the replicas' radix-cache hit rate over
     the run and each request's `cached_tokens`."""
     prompts = _system_prompts()
-    model = httpx.get(f"{worker_urls[0]}/v1/models", headers=HEADERS).json()["data"][0]["id"]
+    models = httpx.get(f"{worker_urls[0]}/v1/models", headers=HEADERS, timeout=30).json()
+    model = models["data"][0]["id"]
     before = _cache_counters(worker_urls)
     cached = []
     with httpx.Client(base_url=url, headers=HEADERS, timeout=180) as client:

@@ -62,7 +62,9 @@ def test_non_streaming_client_disconnect_aborts(server):
     before = server.info()["engine_stats"]["generated_tokens"]
     body = {"prompt": "Once upon a time", "max_tokens": LONG_OUTPUT, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=1.5)
+        # Nothing is sent until the end: the read times out after 3 s (the connect may be slow).
+        url, limits = f"{server.url}/v1/completions", httpx.Timeout(30.0, read=3.0)
+        httpx.post(url, json=body, headers=server.headers, timeout=limits)
     info = server.wait_idle(timeout=15)
     generated = info["engine_stats"]["generated_tokens"] - before
     assert 0 < generated < LONG_OUTPUT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -127,7 +128,7 @@ def test_model_info_and_server_info(http, server):
 
 
 def test_health(server, http):
-    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # no key needed
     assert http.get("/health_generate").status_code == 200
 
 
@@ -156,9 +157,9 @@ def test_abort_request_by_rid_finishes_with_abort(http, server):
 
     t = threading.Thread(target=run)
     t.start()
-    for _ in range(100):
-        if server.info()["active_requests"]:
-            break
+    deadline = time.monotonic() + 60
+    while not server.info()["active_requests"]:
+        assert time.monotonic() < deadline, "the request never became active"
         threading.Event().wait(0.05)
     assert http.post("/abort_request", json={"rid": "abort-me"}).json()["found"] is True
     t.join(timeout=30)
@@ -170,7 +171,7 @@ def test_abort_request_by_rid_finishes_with_abort(http, server):
 
 def test_metrics_prometheus(http, server):
     def scrape() -> dict[str, float]:
-        r = httpx.get(f"{server.url}/metrics")  # no key needed
+        r = httpx.get(f"{server.url}/metrics", timeout=30)  # no key needed
         assert r.status_code == 200
         return {
             s.name: s.value

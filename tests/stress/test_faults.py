@@ -134,7 +134,8 @@ def test_over_long_prompts_are_400(stress_server: Server, http: httpx.Client) ->
 
 
 def test_deadline_aborts_and_frees_pages(stress_server: Server, http: httpx.Client) -> None:
-    body = {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "timeout": 0.2}
+    # 50 ms per step: the 60 tokens take 3 s however fast the machine, past the 0.2 s deadline.
+    body = {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "timeout": 0.2, "seed": SLOW}
     r = http.post(C, json=body)
     assert r.status_code == 408, r.text
     assert r.json()["error"]["param"] == "timeout"

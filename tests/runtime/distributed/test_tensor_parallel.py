@@ -113,10 +113,11 @@ def test_tp2_greedy_matches_tp1(tiny_llama_dir: Path) -> None:
     ref, ref_stats = _generate(model_dir, 1, **small)
     got, stats = _generate(model_dir, 2, **small)
     assert got == ref
-    # NOTE: the scheduler's aging reads the wall clock, so under load the order of the retracted
-    # batch (and with it a few cache hits) can differ between runs: hits are compared loosely.
+    # NOTE: the scheduler's aging reads the wall clock, and the batch reaches the engine thread
+    # as separate submissions, so under load the timeline (cache hits, how many retractions)
+    # can differ between runs: both are compared loosely; the outputs must be equal.
     assert stats.cache_hit_tokens > 0 and ref_stats.cache_hit_tokens > 0
-    assert stats.num_retractions == ref_stats.num_retractions > 0
+    assert stats.num_retractions > 0 and ref_stats.num_retractions > 0
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_mqa_dir"])

@@ -148,6 +148,10 @@ def test_shutdown_fails_pending_futures(slow: SlowBackend) -> None:
     mgr = GrammarManager(None, 0, (), slow, max_workers=1)
     first = mgr.submit(_c(regex="a"))
     queued = mgr.submit(_c(regex="b"))
+    deadline = time.monotonic() + 30
+    while slow.calls < 1:  # the worker has taken `first` (queued work is cancelled)
+        assert time.monotonic() < deadline, "the worker never started the first compile"
+        time.sleep(0.01)
     mgr.shutdown()
     slow.gate.set()
     with pytest.raises(GrammarError, match="shut down"):
