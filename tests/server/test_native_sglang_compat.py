@@ -169,7 +169,6 @@ def _non_default(name: str) -> Any:
     return {
         "sampling_params.spaces_between_special_tokens": False,
         "sampling_params.beam_width": 2,
-        "sampling_params.logit_bias": {"1": 2.0},
         "sampling_params.custom_params": {"a": 1},
         "sampling_params.watermark": {"key": 1},
     }.get(name, "x")
@@ -192,6 +191,18 @@ def test_unknown_field_is_refused(http):
     r = http.post("/generate", json={"text": "x", "sampling_params": {"stop_strs": ["a"]}})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "sampling_params.stop_strs"
+
+
+def test_logit_bias_is_applied(http):
+    """SGLang's `sampling_params.logit_bias` (token id -> bias), as on the OpenAI API: +100 on
+    one token makes greedy decoding pick it; out-of-range values are 400s naming the field."""
+    sp = {"max_new_tokens": 3, "temperature": 0, "logit_bias": {"28": 100}}
+    out = gen(http, sampling_params=sp)
+    assert out["output_ids"] == [28, 28, 28] and out["text"] == ",,,"
+    r = http.post(
+        "/generate", json={"text": "x", "sampling_params": {**sp, "logit_bias": {"5": 500}}}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.logit_bias"
 
 
 def test_max_new_tokens_null_runs_to_a_natural_end(http):
