@@ -60,6 +60,49 @@ def can_match_backslash(pattern: str) -> bool:
     return False
 
 
+# Escapes that can name a character beyond ASCII (``\\s`` holds U+00A0, ``\\u00e9``, ...).
+_WIDE_ESCAPES = frozenset("sSwWdDpPux")
+
+
+def negation_problems(pattern: str, escaped_through: str, ascii_only: bool) -> list[str]:
+    """Why the negated pieces of ``pattern`` may let through what they exclude, on a backend
+    whose negated classes ``[^...]`` admit the JSON escapes of the characters in
+    ``escaped_through`` (llguidance: ``"`` and ``\\``), or (``ascii_only``) exclude only
+    ASCII characters exactly (xgrammar: ``[^é]`` admits ``\\u00e9``, ``\\S`` admits U+00A0).
+    On every backend: ``\\W`` / ``\\D`` and their negated classes, which ``jsonschema``
+    reads over Unicode word characters and digits and the backends over ASCII."""
+    found: list[str] = []
+    for start, end in regex_atoms(pattern):
+        piece = pattern[start:end]
+        negated = piece.startswith("[^")
+        if (
+            piece in ("\\W", "\\D")
+            or (negated and re.search(r"\\[wd]", piece))
+            or (piece.startswith("[") and not negated and re.search(r"\\[WD]", piece))
+        ):
+            found.append(f"{piece} (read over Unicode by jsonschema, over ASCII here)")
+        elif negated and any(_excludes(piece, ch) for ch in escaped_through):
+            found.append(f"{piece} (its excluded quote or backslash passes as an escape)")
+        elif ascii_only and (piece == "\\S" or (negated and not _ascii_members(piece))):
+            found.append(f"{piece} (exact only for excluded ASCII characters)")
+    return found
+
+
+def _excludes(negated_class: str, ch: str) -> bool:
+    try:
+        return re.fullmatch(negated_class, ch) is None
+    except re.error:
+        return True  # unreadable: assume the worst
+
+
+def _ascii_members(negated_class: str) -> bool:
+    """Whether every character ``[^...]`` excludes is ASCII (written in ASCII, and no escape
+    that can name a wider character)."""
+    body = negated_class[2:-1]
+    escapes = [body[i + 1 : i + 2] for i in range(len(body)) if body[i] == "\\"]
+    return body.isascii() and not any(e in _WIDE_ESCAPES for e in escapes)
+
+
 def regex_matches(pattern: str, name: str) -> bool | None:
     """Whether ``pattern`` (an ECMA-262 regex, searched as JSON Schema does) matches the
     property name ``name``; None where that is not decided (see the module docstring)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.runtime.grammar.disjoint import _value_type, json_equal
-from radixlm.runtime.grammar.patterns import pattern_complement
+from radixlm.runtime.grammar.patterns import names_except, pattern_complement
 from radixlm.runtime.grammar.schema_keywords import NON_ASSERTING, is_number
 
 JSON_TYPES = ("null", "boolean", "object", "array", "number", "string")
@@ -19,7 +19,9 @@ def negation(n: Any) -> list[list[Any]] | None:
     it has no exact form here. Handled: ``{}`` / ``true`` (nothing), ``false`` (anything),
     ``required`` (an object, one listed property absent), ``type`` (the other types),
     ``pattern`` of one character class (a string of the complement, ``pattern_complement``),
-    ``anyOf`` (every member negated), ``allOf`` and several keywords (one of them negated)."""
+    ``enum`` / ``const`` of strings only (a non-string, or a string that is none of them:
+    ``names_except``), ``anyOf`` (every member negated), ``allOf`` and several keywords (one
+    of them negated)."""
     if n is True:
         return []
     if n is False:
@@ -43,6 +45,14 @@ def negation(n: Any) -> list[list[Any]] | None:
     if key == "pattern" and isinstance(value, str):  # non-strings match any pattern
         other = pattern_complement(value)
         return None if other is None else [[{"type": "string", "pattern": other}]]
+    if key in ("enum", "const"):
+        values = value if key == "enum" else [value]
+        if not isinstance(values, list) or not values:
+            return None
+        if not all(isinstance(v, str) for v in values):
+            return None  # other values have no "every value but these" form here
+        others = [t for t in JSON_TYPES if t != "string"]
+        return [[{"type": others}], [{"type": "string", "pattern": names_except(values)}]]
     if key == "type":
         types = set(value) if isinstance(value, list) else {value}
         if "integer" in types and "number" not in types:

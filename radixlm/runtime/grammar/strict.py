@@ -31,6 +31,7 @@ from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
 from radixlm.runtime.grammar.patterns import (
     can_match_backslash,
+    negation_problems,
     regex_matches,
     regex_syntax_positions,
 )
@@ -103,6 +104,10 @@ class SchemaSupport:
     # a pattern that can match a backslash can then accept a string it refuses ("a\\nb" under
     # ``^a.*$``), so such patterns are refused.
     pattern_on_escaped_text: bool = False
+    # Negated classes (``patterns.negation_problems``): characters whose JSON escape gets past a
+    # ``[^...]`` excluding them (llguidance: '"\\'); exact only for ASCII exclusions (xgrammar).
+    negated_class_escapes: str = ""
+    negated_class_ascii_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -226,7 +231,8 @@ def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
     out = sorted(f"{f} unsupported" for f in found)
     if support.pattern_on_escaped_text and can_match_backslash(pattern):
         out.append("matched on escaped JSON text, and can match a backslash")
-    return out
+    escapes, ascii_only = support.negated_class_escapes, support.negated_class_ascii_only
+    return out + negation_problems(pattern, escapes, ascii_only)
 
 
 def _anchored(pattern: str) -> bool:
@@ -437,6 +443,7 @@ XGRAMMAR_SUPPORT = SchemaSupport(
     keywords=_COMMON | _XGRAMMAR_EXTRA,
     formats=_XGRAMMAR_FORMATS,
     multiple_of_integers_only=True,
+    negated_class_ascii_only=True,  # measured: [^é] admits \u00e9, \S admits U+00A0
     # Found in xgrammar's warnings: it drops length bounds next to pattern / format, and
     # multipleOf next to a numeric range; measured: it drops pattern next to format.
     ignored_with=(
@@ -492,4 +499,5 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
     alone={},
     needs_type=False,
     pattern_search=True,
+    negated_class_escapes='"\\',  # measured: [^"] admits \" (tests/runtime/grammar)
 )

@@ -11,8 +11,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import pytest
-from grammar_helpers import BACKENDS
+from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
 from radixlm.runtime.grammar import Constraint, GrammarBackend, GrammarError, get_backend
 from radixlm.runtime.grammar.strict import (
@@ -137,7 +138,9 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "dependentSchemas": S(type="object", dependentSchemas={k: S(required=["b"]) for k in "acde"}),
     "multipleOf (on a non-integer schema)": S(type="number", multipleOf=0.5),
     "allOf (with sibling keywords)": S(type="string", allOf=[S(pattern="a"), S(pattern="b")]),
-    "oneOf (branches not provably disjoint)": S(oneOf=[S(type="string"), S(enum=["linux"])]),
+    "oneOf (branches not provably disjoint)": S(
+        oneOf=[S(type="string"), S(type="string", maxLength=3)]
+    ),
     "format: 'regex'": S(type="string", format="regex"),
     'minLength (without "type")': S(minLength=3),
     "required: 'a' (not in properties)": S(
@@ -429,3 +432,46 @@ def test_validate_and_compile_normalize_a_schema_once(
     backends["llguidance"].validate(c)
     backends["llguidance"].compile(c)
     assert len(calls) == 1
+
+
+# Negated pieces of a `pattern` that a backend does not enforce exactly, as measured on it: the
+# excluded character passes as its JSON escape (llguidance: `\\"` under `[^"]`; xgrammar:
+# `\\u00e9` under `[^é]`), or xgrammar's `\\S` is ASCII-only (U+00A0 is white space for
+# jsonschema). Refused there; `auto` enforces each through a backend that reads it exactly.
+NEGATIONS = [
+    ("llguidance", '^[^"]*$', 'a"b', "ab"),
+    ("llguidance", "^[^\\\\]*$", "a\\b", "ab"),
+    ("xgrammar", "^[^\u00e9]*$", "\u00e9", "e"),
+    ("xgrammar", "^\\S*$", "\u00a0", "a"),
+]
+
+
+@pytest.mark.parametrize(("backend", "pattern", "invalid", "valid"), NEGATIONS)
+def test_negations_a_backend_reads_loosely_are_refused_there_and_enforced_by_auto(
+    backend: str, pattern: str, invalid: str, valid: str
+) -> None:
+    schema = {"type": "string", "pattern": pattern}
+    validator = jsonschema.Draft202012Validator(schema)
+    assert not validator.is_valid(invalid) and validator.is_valid(valid)
+    c = Constraint.from_params(json_schema=schema)
+    assert c is not None
+    with pytest.raises(GrammarError, match=r"pattern: .* \(.*(escape|ASCII)"):
+        get_backend(backend)(BYTE_VOCAB).validate(c)
+    auto = get_backend("auto")(BYTE_VOCAB)
+    auto.validate(c)
+    compiled = auto.compile(c)
+    for ensure_ascii in (True, False):  # "\u00e9" or the raw character
+        text = json.dumps(invalid, ensure_ascii=ensure_ascii)
+        assert not grammar_accepts(compiled.new_matcher(), text), text
+    assert grammar_accepts(compiled.new_matcher(), json.dumps(valid))
+
+
+@pytest.mark.parametrize("pattern", ["^\\W*$", "^[^\\d]+$", "^[a\\D]$"])
+def test_unicode_class_negations_are_refused_everywhere(pattern: str) -> None:
+    """jsonschema reads `\\w` / `\\d` over Unicode (é is a word character), the backends over
+    ASCII: their negations would let through what jsonschema excludes."""
+    c = Constraint.from_params(json_schema={"type": "string", "pattern": pattern})
+    assert c is not None
+    for name in ("auto", *BACKENDS):
+        with pytest.raises(GrammarError, match="Unicode"):
+            get_backend(name)(BYTE_VOCAB).validate(c)
