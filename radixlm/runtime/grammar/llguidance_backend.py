@@ -47,12 +47,32 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.patterns import map_patterns, positive_classes
 from radixlm.runtime.grammar.strict import LLGUIDANCE_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, TRIGGER, ToolCallsSpec, call_begin
 
 _MAX_VALIDATED = 8  # templates kept between validate and compile
 _WHITESPACE = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
+
+
+def exact_patterns(schema: str) -> str:
+    """The prepared schema text with every negated class that excludes ``"`` or ``\\`` made
+    positive (``patterns.positive_classes``): llguidance lets such a character through as its
+    JSON escape (``[^"]`` admits ``\\"``). A class that cannot be rewritten is refused."""
+    if "[^" not in schema:
+        return schema
+
+    def positive(pattern: str) -> str:
+        out = positive_classes(pattern)
+        if out is None:
+            raise GrammarError(
+                f"pattern {pattern!r}: a negated class excluding a quote or backslash that the "
+                "llguidance backend cannot enforce exactly"
+            )
+        return out
+
+    return json.dumps(map_patterns(json.loads(schema), positive), ensure_ascii=False)
 
 
 def json_options(c: Constraint) -> dict[str, Any]:
@@ -182,7 +202,7 @@ class LLGuidanceBackend(GrammarBackend):
     def grammar(self, c: Constraint) -> str:
         """llguidance's grammar text for ``c`` (cheap: no parsing yet)."""
         if c.kind == "json_schema":
-            return self._json_grammar(prepared_schema_text(c.spec), c)
+            return self._json_grammar(exact_patterns(prepared_schema_text(c.spec)), c)
         if c.kind == "json_object":
             return self._json_grammar('{"type":"object"}', c)
         if c.kind == "regex":
@@ -213,7 +233,7 @@ class LLGuidanceBackend(GrammarBackend):
         auto = spec.mode == "auto"
         rules = []
         for i, tool in enumerate(spec.tools):
-            schema = json.loads(prepared_schema_text(tool.parameters))
+            schema = json.loads(exact_patterns(prepared_schema_text(tool.parameters)))
             schema = {**schema, "x-guidance": options} if isinstance(schema, dict) else {}
             head = call_begin(tool.name)[len(TRIGGER) if auto else 0 :]
             rules.append(f"call_{i}: {json.dumps(head)} %json {json.dumps(schema)} "

@@ -10,8 +10,12 @@ else is "not decided" (None), and callers then leave the schema as it is.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from radixlm.runtime.grammar.schema_keywords import map_subschemas
 
 _SAFE_ESCAPES = frozenset("dDwWsSbB") | frozenset(".-\\/[](){}*+?^$|_:,=!<>#&~ '\"@%;`")
 # Characters with a meaning in a regex (outside / inside a character class): escaped.
@@ -64,13 +68,13 @@ def can_match_backslash(pattern: str) -> bool:
 _WIDE_ESCAPES = frozenset("sSwWdDpPux")
 
 
-def negation_problems(pattern: str, escaped_through: str, ascii_only: bool) -> list[str]:
-    """Why the negated pieces of ``pattern`` may let through what they exclude, on a backend
-    whose negated classes ``[^...]`` admit the JSON escapes of the characters in
-    ``escaped_through`` (llguidance: ``"`` and ``\\``), or (``ascii_only``) exclude only
-    ASCII characters exactly (xgrammar: ``[^é]`` admits ``\\u00e9``, ``\\S`` admits U+00A0).
-    On every backend: ``\\W`` / ``\\D`` and their negated classes, which ``jsonschema``
-    reads over Unicode word characters and digits and the backends over ASCII."""
+def negation_problems(pattern: str, ascii_only: bool) -> list[str]:
+    """Why the negated pieces of ``pattern`` may let through what they exclude: on a backend
+    whose negated classes exclude only ASCII characters exactly (``ascii_only``; xgrammar:
+    ``[^é]`` admits ``\\u00e9``, ``\\S`` admits U+00A0), and on every backend ``\\W`` /
+    ``\\D`` and their negated classes, which ``jsonschema`` reads over Unicode word characters
+    and digits and the backends over ASCII. A negated class that excludes ``"`` or ``\\``
+    is never given to llguidance (``positive_classes``)."""
     found: list[str] = []
     for start, end in regex_atoms(pattern):
         piece = pattern[start:end]
@@ -81,11 +85,59 @@ def negation_problems(pattern: str, escaped_through: str, ascii_only: bool) -> l
             or (piece.startswith("[") and not negated and re.search(r"\\[WD]", piece))
         ):
             found.append(f"{piece} (read over Unicode by jsonschema, over ASCII here)")
-        elif negated and any(_excludes(piece, ch) for ch in escaped_through):
-            found.append(f"{piece} (its excluded quote or backslash passes as an escape)")
         elif ascii_only and (piece == "\\S" or (negated and not _ascii_members(piece))):
             found.append(f"{piece} (exact only for excluded ASCII characters)")
     return found
+
+
+def positive_classes(pattern: str, chars: str = '"\\') -> str | None:
+    """``pattern`` with every negated class ``[^...]`` that excludes one of ``chars`` written
+    as the positive class of what it admits from U+0020 to U+FFFF (Python's reading, which is
+    ``jsonschema``'s); None when such a class cannot be read. Over-strict, never wider: control
+    characters, surrogates and characters past U+FFFF are left out. For llguidance, whose
+    negated classes let an excluded quote or backslash through as its JSON escape (and whose
+    classes holding control characters admit every escape)."""
+    out, last = [], 0
+    for start, end in regex_atoms(pattern):
+        atom = pattern[start:end]
+        if atom.startswith("[^") and any(_excludes(atom, ch) for ch in chars):
+            positive = _positive_class(atom)
+            if positive is None:
+                return None
+            out += [pattern[last:start], positive]
+            last = end
+    return "".join([*out, pattern[last:]])
+
+
+@functools.lru_cache(maxsize=256)
+def _positive_class(negated_class: str) -> str | None:
+    try:
+        rx = re.compile(negated_class)
+    except re.error:
+        return None
+    ranges: list[list[int]] = []
+    for cp in range(0x20, 0x10000):
+        if 0xD800 <= cp <= 0xDFFF or rx.fullmatch(chr(cp)) is None:
+            continue
+        if ranges and ranges[-1][1] == cp - 1:
+            ranges[-1][1] = cp
+        else:
+            ranges.append([cp, cp])
+    if not ranges:
+        return None
+    return "[" + "".join(f"\\u{a:04x}" + (f"-\\u{b:04x}" if b > a else "") for a, b in ranges) + "]"
+
+
+def map_patterns(schema: Any, fn: Callable[[str], str], depth: int = 0) -> Any:
+    """``fn`` applied to every ``pattern`` and ``patternProperties`` key of ``schema``."""
+    if not isinstance(schema, dict) or depth > 128:
+        return schema
+    out = map_subschemas(schema, lambda v: map_patterns(v, fn, depth + 1))
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = fn(out["pattern"])
+    if isinstance(out.get("patternProperties"), dict):
+        out["patternProperties"] = {fn(k): v for k, v in out["patternProperties"].items()}
+    return out
 
 
 def _excludes(negated_class: str, ch: str) -> bool:

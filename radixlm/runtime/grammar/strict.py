@@ -104,9 +104,7 @@ class SchemaSupport:
     # a pattern that can match a backslash can then accept a string it refuses ("a\\nb" under
     # ``^a.*$``), so such patterns are refused.
     pattern_on_escaped_text: bool = False
-    # Negated classes (``patterns.negation_problems``): characters whose JSON escape gets past a
-    # ``[^...]`` excluding them (llguidance: '"\\'); exact only for ASCII exclusions (xgrammar).
-    negated_class_escapes: str = ""
+    # Negated classes are exact only for ASCII exclusions (xgrammar; patterns.negation_problems).
     negated_class_ascii_only: bool = False
 
 
@@ -231,8 +229,7 @@ def pattern_problems(pattern: str, support: SchemaSupport) -> list[str]:
     out = sorted(f"{f} unsupported" for f in found)
     if support.pattern_on_escaped_text and can_match_backslash(pattern):
         out.append("matched on escaped JSON text, and can match a backslash")
-    escapes, ascii_only = support.negated_class_escapes, support.negated_class_ascii_only
-    return out + negation_problems(pattern, escapes, ascii_only)
+    return out + negation_problems(pattern, support.negated_class_ascii_only)
 
 
 def _anchored(pattern: str) -> bool:
@@ -499,5 +496,4 @@ LLGUIDANCE_SUPPORT = SchemaSupport(
     alone={},
     needs_type=False,
     pattern_search=True,
-    negated_class_escapes='"\\',  # measured: [^"] admits \" (tests/runtime/grammar)
 )

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any
 
 import torch
 import xgrammar as xgr
@@ -40,8 +39,7 @@ from radixlm.runtime.grammar.base import (
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
-from radixlm.runtime.grammar.patterns import regex_syntax_positions
-from radixlm.runtime.grammar.schema_keywords import map_subschemas
+from radixlm.runtime.grammar.patterns import map_patterns, regex_syntax_positions
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
@@ -71,20 +69,6 @@ def optional_groups_bounded(pattern: str) -> str:
         out += [pattern[last:i], "){0,1}"]
         last = i + 2
     return "".join([*out, pattern[last:]])
-
-
-def _bounded_optional_groups(schema: Any, depth: int = 0) -> Any:
-    """``optional_groups_bounded`` on every ``pattern`` / ``patternProperties`` of a schema."""
-    if not isinstance(schema, dict) or depth > 128:
-        return schema
-    out = map_subschemas(schema, lambda v: _bounded_optional_groups(v, depth + 1))
-    if isinstance(out.get("pattern"), str):
-        out["pattern"] = optional_groups_bounded(out["pattern"])
-    if isinstance(out.get("patternProperties"), dict):
-        out["patternProperties"] = {
-            optional_groups_bounded(k): v for k, v in out["patternProperties"].items()
-        }
-    return out
 
 
 def _compact_builtin_json(ebnf: str) -> str:
@@ -194,7 +178,7 @@ class XGrammarBackend(GrammarBackend):
     def _json_grammar(c: Constraint) -> xgr.Grammar:
         schema = '{"type":"object"}'
         if c.kind == "json_schema":
-            parsed = _bounded_optional_groups(json.loads(prepared_schema_text(c.spec)))
+            parsed = map_patterns(json.loads(prepared_schema_text(c.spec)), optional_groups_bounded)
             schema = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
         if c.whitespace == "any":
             return xgr.Grammar.from_json_schema(
