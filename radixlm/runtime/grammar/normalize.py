@@ -58,6 +58,7 @@ from radixlm.runtime.grammar.patterns import (
 from radixlm.runtime.grammar.schema_facts import finite_values
 from radixlm.runtime.grammar.schema_keywords import (
     ANNOTATIONS,
+    DRAFT3_ONLY_FORMATS,
     NON_ASSERTING,
     SPEC_FORMATS,
     VALIDATION_KEYWORDS,
@@ -341,13 +342,15 @@ class _Normalizer(CaseRewrites):
             return False
         return {**{k: v for k, v in s.items() if k in NON_ASSERTING}, "enum": arrays}
 
-    @staticmethod
-    def _no_ops(s: dict[str, Any], depth: int) -> dict[str, Any]:
-        """Drop keywords that assert nothing: a ``format`` that no JSON Schema draft defines
-        (validators treat it as an annotation; defined formats stay and must be enforced
-        exactly) and ``uniqueItems: false``."""
+    def _no_ops(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
+        """Drop keywords that assert nothing: a ``format`` that the schema's draft does not
+        define (none does, or only draft 3 and the schema is later: validators treat it as an
+        annotation; defined formats stay and must be enforced exactly) and
+        ``uniqueItems: false``."""
         fmt = s.get("format")
-        drop = {"format"} if isinstance(fmt, str) and fmt not in SPEC_FORMATS else set()
+        draft3 = self.draft.cls.__name__ == "Draft3Validator"
+        undefined = fmt not in SPEC_FORMATS or (fmt in DRAFT3_ONLY_FORMATS and not draft3)
+        drop = {"format"} if isinstance(fmt, str) and undefined else set()
         if s.get("uniqueItems") is False:
             drop.add("uniqueItems")
         return {k: v for k, v in s.items() if k not in drop} if drop else s

@@ -32,6 +32,10 @@ SPEC_FORMATS = frozenset(
         "color", "host-name", "ip-address", "utc-millisec", "phone", "style",
     }
 )  # fmt: skip
+# Defined by draft 3 only: under a later draft, an annotation like any unknown format.
+DRAFT3_ONLY_FORMATS = frozenset(
+    {"color", "host-name", "ip-address", "utc-millisec", "phone", "style"}
+)
 # Where subschemas live: name -> how its value holds them (``items`` and ``dependencies`` take
 # either a schema / list, or a map whose values may be schemas; handled where used).
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -494,3 +494,13 @@ def test_overlapping_one_of_is_made_disjoint(name: str, byte_backends: dict[str,
         ]  # fmt: skip
         assert all(_valid(schema, i) for i in accepted), (backend_name, accepted)
         assert accepted, backend_name
+
+
+def test_draft3_only_formats_are_annotations_in_later_drafts() -> None:
+    """`color` (and the other draft-3-only formats) assert nothing under a later draft: dropped
+    there, kept (and so enforced or refused) under draft 3."""
+    later = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "string"}
+    assert "format" not in normalize_schema({**later, "format": "color"})
+    assert normalize_schema({**later, "format": "email"})["format"] == "email"
+    draft3 = {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}
+    assert normalize_schema({**draft3, "format": "color"})["format"] == "color"
