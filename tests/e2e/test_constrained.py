@@ -215,7 +215,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"json_schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
      "uniqueItems"),
     ({"json_schema": {"type": "object",
-                      "properties": {"a": {"type": "string", "not": {"enum": ["x"]}}}}}, "not"),
+                      "properties": {"a": {"type": "integer", "not": {"const": 3}}}}}, "not"),
     ({"json_schema": {"type": "objekt"}}, "invalid JSON schema at #/type"),
     ({"json_schema": {"type": "object", "required": "a"}}, "invalid JSON schema at #/required"),
     ({"json_schema": "{not json"}, "not valid JSON"),
