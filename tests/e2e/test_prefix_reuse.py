@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_prompt_ids
+from e2e_prompts import make_prompt_ids
 
 from radixlm import Engine, SamplingParams
 

@@ -4,7 +4,7 @@ under every batching configuration, with all prompts submitted together."""
 from __future__ import annotations
 
 import pytest
-from conftest import NEW_TOKENS
+from e2e_prompts import NEW_TOKENS
 
 from radixlm import Engine, SamplingParams
 

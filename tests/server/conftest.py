@@ -31,6 +31,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) ->
 
 
 @pytest.fixture(scope="session")
+def num_pages() -> int:
+    """The server's KV pool in pages (a fixture: `from conftest import` could find another
+    test directory's conftest when several are collected together)."""
+    return NUM_PAGES
+
+
+@pytest.fixture(scope="session")
 def http(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=120) as client:
         yield client

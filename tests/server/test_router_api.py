@@ -5,7 +5,6 @@ and the model-server protocol gauges in `/metrics`."""
 from __future__ import annotations
 
 import httpx
-from conftest import NUM_PAGES
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -20,11 +19,13 @@ def _gauges(http: httpx.Client) -> dict[str, float]:
     return out
 
 
-def test_server_info_is_flat_sglang_shape(http: httpx.Client, model_name: str) -> None:
+def test_server_info_is_flat_sglang_shape(
+    http: httpx.Client, model_name: str, num_pages: int
+) -> None:
     info = http.get("/server_info").json()
     assert info["served_model_name"] == model_name
     assert (info["tp_size"], info["dp_size"]) == (1, 1)
-    assert info["max_total_tokens"] == NUM_PAGES * 16
+    assert info["max_total_tokens"] == num_pages * 16
     assert info["context_length"] == 8192
     assert info["version"]
     model = http.get("/model_info").json()
@@ -34,11 +35,11 @@ def test_server_info_is_flat_sglang_shape(http: httpx.Client, model_name: str) -
     assert 2 in model["eos_token_ids"]
 
 
-def test_loads_follow_the_engine(http: httpx.Client) -> None:
+def test_loads_follow_the_engine(http: httpx.Client, num_pages: int) -> None:
     body = http.get("/v1/loads", params={"include": "core"}).json()
     assert body["dp_rank_count"] == 1
     (load,) = body["loads"]
-    assert load["max_total_num_tokens"] == NUM_PAGES * 16
+    assert load["max_total_num_tokens"] == num_pages * 16
     assert load["num_running_reqs"] == load["num_waiting_reqs"] == 0
     assert 0.0 <= load["token_usage"] <= 1.0
     assert load["max_running_requests"] >= 1
@@ -65,7 +66,7 @@ def test_generate_accepts_router_fields(http: httpx.Client, model_name: str) -> 
     assert r.json()["error"]["param"] == "return_hidden_states"
 
 
-def test_inference_gateway_gauges(http: httpx.Client) -> None:
+def test_inference_gateway_gauges(http: httpx.Client, num_pages: int) -> None:
     g = _gauges(http)
     assert g["vllm:num_requests_waiting"] == g["radixlm_num_requests_waiting"]
     assert g["vllm:num_requests_running"] == g["radixlm_num_requests_running"]
@@ -73,4 +74,4 @@ def test_inference_gateway_gauges(http: httpx.Client) -> None:
     assert usage == g["vllm:gpu_cache_usage_perc"] == g["radixlm_kv_cache_usage_perc"]
     assert usage == g["radixlm_kv_pages_used"] / g["radixlm_kv_pages_total"]
     r = http.get("/metrics")
-    assert f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{NUM_PAGES}"}} 1.0' in r.text
+    assert f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{num_pages}"}} 1.0' in r.text
