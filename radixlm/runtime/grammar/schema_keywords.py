@@ -22,20 +22,19 @@ VALIDATION_KEYWORDS = frozenset(
         "$ref", "$dynamicRef", "$recursiveRef",
     }
 )  # fmt: skip
-# The ``format`` values that some JSON Schema draft (3 to 2020-12) defines. Validators assert
-# these (with a format checker); any other value is an annotation that no validator checks.
-SPEC_FORMATS = frozenset(
-    {
-        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
-        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
-        "uri-template", "json-pointer", "relative-json-pointer", "regex",
-        "color", "host-name", "ip-address", "utc-millisec", "phone", "style",
-    }
-)  # fmt: skip
 # Defined by draft 3 only: under a later draft, an annotation like any unknown format.
 DRAFT3_ONLY_FORMATS = frozenset(
     {"color", "host-name", "ip-address", "utc-millisec", "phone", "style"}
 )
+# The ``format`` values that some JSON Schema draft (3 to 2020-12) defines. Validators assert
+# these (with a format checker); any other value is an annotation that no validator checks.
+SPEC_FORMATS = DRAFT3_ONLY_FORMATS | frozenset(
+    {
+        "date-time", "date", "time", "duration", "email", "idn-email", "hostname",
+        "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid",
+        "uri-template", "json-pointer", "relative-json-pointer", "regex",
+    }
+)  # fmt: skip
 # Where subschemas live: name -> how its value holds them (``items`` and ``dependencies`` take
 # either a schema / list, or a map whose values may be schemas; handled where used).
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
