@@ -71,6 +71,9 @@ class EngineConfig:
     # `dtype`), "model" always in `dtype`, "float32" always in float32.
     matmul_dtype: str = "auto"
     num_threads: int | None = None  # torch intra-op threads on CPU; None: leave torch's choice
+    # the reference forward (eager ATen ops, F.linear) instead of the compiled one (CPU:
+    # oneDNN-prepacked linears and fused C++ layer ops); vLLM's name
+    enforce_eager: bool = False
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step
     # constrained decoding: "auto" (per constraint, the first of llguidance / xgrammar / outlines

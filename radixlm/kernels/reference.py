@@ -200,3 +200,9 @@ def rope_ref(
         return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """Twin of the CPU `silu_and_mul`: `silu(gate) * up` for `x = [gate | up]`, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -23,6 +23,7 @@ import torch
 
 from radixlm.config import EngineConfig
 from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.cpu_threads import pin_forward_threads, release_idle_teams
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.errors import EngineDeadError, RequestValidationError
 from radixlm.runtime.executor import Executor
@@ -66,6 +67,8 @@ class Engine:
         self.model_info = load_model_info(self.model_dir)
         self.device = pick_device(cfg.device)
         self.runner = self._make_runner()
+        if self.device.type == "cpu":
+            release_idle_teams()  # the loading thread's team; the loop thread makes its own
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
         self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
@@ -111,7 +114,11 @@ class Engine:
         max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
         if cfg.tp_size == 1:
             return ModelRunner(
-                *args, max_len, model_info=self.model_info, matmul_dtype=cfg.matmul_dtype
+                *args,
+                max_len,
+                model_info=self.model_info,
+                matmul_dtype=cfg.matmul_dtype,
+                enforce_eager=cfg.enforce_eager,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -432,7 +439,11 @@ class Engine:
     # ---- loop thread --------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        torch.set_num_threads(self._num_threads)
+        if self.device.type == "cpu":
+            cpus = pin_forward_threads(self._num_threads)
+            logger.info("forward on %d threads, pinned to CPUs %s", self._num_threads, cpus)
+        else:
+            torch.set_num_threads(self._num_threads)
         try:
             self._run()
         except BaseException as exc:  # noqa: BLE001 - recorded; the server exits non-zero

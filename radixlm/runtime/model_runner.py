@@ -54,11 +54,14 @@ class ModelRunner:
         model_info: ModelInfo | None = None,
         tp: TensorParallelGroup | None = None,
         matmul_dtype: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
-        `radixlm.runtime.models.cpu_linear` (the KV cache always has `dtype`)."""
-        from radixlm.runtime.models.cpu_linear import add_lowp_copies, compute_dtype
+        `radixlm.runtime.models.cpu_linear` (the KV cache always has `dtype`). `enforce_eager`: run
+        the reference model (eager ATen ops, `F.linear`) instead of the CPU compiled forward
+        (oneDNN-prepacked linears, fused C++ layer ops)."""
+        from radixlm.runtime.models.cpu_linear import compute_dtype
         from radixlm.runtime.models.loader import iter_safetensors
         from radixlm.runtime.models.model_info import load_model_info
 
@@ -94,17 +97,6 @@ class ModelRunner:
         model.to(self.compute_dtype)
         model.tie_weights()
         model.load_weights(weights)
-        if self.compute_dtype != self.dtype:
-            n = add_lowp_copies(model, self.dtype)
-            logger.info(
-                "this CPU has no native %s matmul: weights compute in %s (%d linears keep a %s "
-                "copy for 1-2 row inputs); KV cache in %s",
-                self.dtype,
-                self.compute_dtype,
-                n,
-                self.dtype,
-                self.dtype,
-            )
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()
@@ -127,17 +119,60 @@ class ModelRunner:
         )
         self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
         self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
-        if self.attention_backend_name == "triton":
-            model.enable_fused_ops()
+        self.enforce_eager = enforce_eager
+        self.layer_ops, self.linear_method = self._prepare_forward(model)
         logger.info(
-            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s",
+            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s, layer ops=%s, linears=%s",
             model_dir.name,
             arch,
             device,
             self.num_pages,
             self.page_size,
             self.attention_backend_name,
+            self.layer_ops,
+            self.linear_method,
         )
+
+    def _prepare_forward(self, model) -> tuple[str, str]:
+        """Choose the forward's layer ops and linears (after the weights are loaded); returns
+        their names. CPU: fused C++ ops and oneDNN-prepacked linears unless `enforce_eager`
+        (where the op cannot be built, one log line and the torch twins). CUDA + triton:
+        Triton norms and RoPE. The weights of CPUs without native bf16 compute in fp32 with a
+        bf16 copy for 1-2 row inputs (`cpu_linear`)."""
+        from radixlm.kernels.layer_ops import get_layer_ops
+        from radixlm.runtime.models.cpu_linear import (
+            add_lowp_copies,
+            onednn_available,
+            pack_linears,
+        )
+
+        lowp = self.dtype if self.compute_dtype != self.dtype else None
+        ops = "torch"
+        if self.attention_backend_name == "triton":
+            ops = "triton"
+        elif self.device.type == "cpu" and not self.enforce_eager:
+            try:
+                get_layer_ops("cpu")
+                ops = "cpu"
+            except ImportError as e:
+                logger.warning("fused CPU layer ops unavailable (%s); using the torch twins", e)
+        model.set_layer_ops(get_layer_ops(ops))
+        linears = "dense"
+        if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
+            pack_linears(model, lowp)
+            linears = "onednn-prepacked"
+        elif lowp is not None:
+            add_lowp_copies(model, lowp)
+        if lowp is not None:
+            logger.info(
+                "this CPU has no native %s matmul: weights compute in %s (a %s copy for 1-2 row "
+                "inputs); KV cache in %s",
+                self.dtype,
+                self.compute_dtype,
+                self.dtype,
+                self.dtype,
+            )
+        return ops, linears
 
     def _num_pages(self, cc: CacheConfig) -> int:
         cfg = self.model_config

@@ -83,7 +83,8 @@ def test_triton_runner_logits_match_torch_runner(tiny_llama_dir):
         )
         assert runner.attention_backend_name == backend
         # The triton backend also runs the fused RMSNorm(+residual) and RoPE kernels.
-        assert runner.model.norm.fused == runner.model.rotary.fused == (backend == "triton")
+        assert (runner.layer_ops == "triton") == (backend == "triton")
+        assert runner.model.layer_ops.name == runner.layer_ops
         pages = list(range(6))
         outs, start = [], 0
         for n in (7, 13, 1, 1, 1):  # prefill 0..6, extend 7..19 over the prefix, 3 decodes

@@ -50,4 +50,58 @@ def test_engine_on_a_cpu_without_bf16_keeps_a_bf16_kv_cache(monkeypatch, tiny_ll
     r = ModelRunner(tiny_llama_dir, "bfloat16", CPU, CacheConfig(page_size=4, num_pages=8))
     assert r.compute_dtype == torch.float32
     assert r.kv_cache.k_buffers[0].dtype == torch.bfloat16
-    assert isinstance(r.model.layers[0].mlp.down_proj, cpu_linear.SmallRowsLowpLinear)
+    down = r.model.layers[0].mlp.down_proj
+    if cpu_linear.onednn_available():  # the compiled forward: packed fp32 + a bf16 copy
+        assert isinstance(down, cpu_linear.PackedLinear) and down.packed.dtype == torch.float32
+        assert down.weight_lowp.dtype == torch.bfloat16
+    else:
+        assert isinstance(down, cpu_linear.SmallRowsLowpLinear)
+    eager = ModelRunner(
+        tiny_llama_dir, "bfloat16", CPU, CacheConfig(page_size=4, num_pages=8), enforce_eager=True
+    )
+    assert isinstance(eager.model.layers[0].mlp.down_proj, cpu_linear.SmallRowsLowpLinear)
+    assert eager.layer_ops == "torch" and eager.linear_method == "dense"
+
+
+needs_onednn = pytest.mark.skipif(
+    not cpu_linear.onednn_available(), reason="torch built without oneDNN"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 300])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 80, bias=bias).to(dtype)
+    packed = cpu_linear.PackedLinear(lin)
+    x = torch.randn(rows, 96).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(packed(x), lin(x), **tol)
+
+
+@needs_onednn
+def test_pack_linears_replaces_plain_linears_only() -> None:
+    class Row(nn.Linear):  # a tensor-parallel linear keeps its own forward
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), Row(4, 4))
+    assert cpu_linear.pack_linears(model) == 2
+    assert isinstance(model[0], cpu_linear.PackedLinear)
+    assert isinstance(model[1][0], cpu_linear.PackedLinear)
+    assert type(model[2]) is Row
+    y = model(torch.randn(3, 8))
+    assert y.shape == (3, 4)
+
+
+@needs_onednn
+def test_packed_linear_small_rows_use_the_lowp_copy() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16)
+    packed = cpu_linear.PackedLinear(lin, lowp=torch.bfloat16)
+    small = torch.randn(SMALL_ROWS, 32)
+    bf16 = nn.functional.linear(small.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16())
+    torch.testing.assert_close(packed(small), bf16.float())
+    big = torch.randn(SMALL_ROWS + 5, 32)
+    torch.testing.assert_close(packed(big), lin(big), atol=1e-5, rtol=1e-5)

@@ -7,7 +7,7 @@ batch is too small to keep the threads busy and its context is long (flash-decod
 request is one item per block of `extend_block` query rows over its prefix and causally over
 itself. An item is one task over all KV heads (a page's rows are read sequentially); items are
 sorted longest first and handed out dynamically to torch's intra-op threads.
-Per layer, `forward` stores the new K/V into their slots (`store_kv`, index_put) and makes one op
+Per layer, `forward` stores the new K/V into their slots (the compiled `store_kv`) and makes one op
 call for the whole batch.
 """
 
@@ -19,8 +19,9 @@ import math
 import torch
 
 from radixlm.kernels.cpu.build import load_error, load_op
+from radixlm.kernels.cpu.fused import store_kv
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
-from radixlm.kernels.reference import TorchAttentionBackend, store_kv
+from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
 
 logger = logging.getLogger(__name__)

@@ -71,3 +71,59 @@ def add_lowp_copies(model: nn.Module, lowp: torch.dtype) -> int:
             module.bias_lowp = None if module.bias is None else module.bias.detach().to(lowp)
             count += 1
     return count
+
+
+# The row count oneDNN's weight layout is chosen for; measured on an AVX512_BF16 EPYC (2
+# threads, 30 layers of SmolLM2's 576 x 3072): a layout packed for 64 rows runs 1-512 rows
+# within 3% of the layout packed for each count, while 512 costs 12% at 1 row.
+PACK_ROWS_HINT = 64
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """`y = x @ W^T + b` by oneDNN on a weight reordered once into its blocked layout (what
+    Inductor's freezing does), the CPU compiled forward's linear. Measured against `F.linear`
+    (bf16, 2 threads, weights streamed from memory): 10.6 vs 15.0 ms for SmolLM2's 120 layer
+    linears at 1 row, 1.4 vs 3.1 ms for its LM head.
+
+    With `lowp` (CPUs without native bf16 computing in fp32), inputs of at most `SMALL_ROWS`
+    rows multiply a low-precision copy instead, as `SmallRowsLowpLinear` does.
+    NOTE: holds no `weight` parameter: the packed copy replaces it (the tied embedding keeps
+    its own)."""
+
+    def __init__(self, linear: nn.Linear, lowp: torch.dtype | None = None) -> None:
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.dtype = w.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.weight_lowp = None if lowp is None else w.to(lowp)
+        self.bias_lowp = None if lowp is None or self.bias is None else self.bias.to(lowp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.weight_lowp is not None and x.shape[0] <= SMALL_ROWS:
+            return F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp, self.bias_lowp).to(
+                x.dtype
+            )
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+def pack_linears(model: nn.Module, lowp: torch.dtype | None = None) -> int:
+    """Replace every plain `nn.Linear` of `model` (bf16 / fp32 weights) by a `PackedLinear`;
+    returns how many. Tensor-parallel linears (subclasses) keep their own forward. NOTE: call
+    after the weights are loaded and tied."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32):
+                setattr(parent, name, PackedLinear(child, lowp))
+                count += 1
+    return count

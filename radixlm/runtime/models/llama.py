@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.kernels.layer_ops import TORCH_OPS, LayerOps
 
 
 class RMSNorm(nn.Module):
@@ -21,17 +21,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused = False  # Triton kernel (set by `enable_fused_ops`, GPU path)
+        self.ops: LayerOps = TORCH_OPS  # set by `LlamaForCausalLM.set_layer_ops`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H]
-        if self.fused:
-            from radixlm.kernels.fused_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [T, H]; with `residual`: residual <- x + residual, normalized
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -51,7 +46,8 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (neox-style rotate-half)."""
+    """Precomputed fp32 cos/sin tables `[P, D]` indexed by absolute position (neox-style
+    rotate-half); the layer-op set reads the rows of a step's positions."""
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -62,23 +58,12 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
-        self.fused = False
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D]
-        if self.fused:
-            from radixlm.kernels.fused_ops import apply_rope
-
-            return apply_rope(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, Hq, D], k [T, Hkv, D] (maybe in place)
+        return self.ops.rope(positions, q, k, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -116,10 +101,10 @@ class MLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -139,17 +124,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), batch, rope, attn)
-        norm = self.post_attention_layernorm
-        if norm.fused:
-            from radixlm.kernels.fused_ops import rms_norm
-
-            y = rms_norm(h, norm.weight, norm.eps, residual=x)  # x <- x + h, one pass
-            return x + self.mlp(y)
-        x = x + h
-        return x + self.mlp(norm(x))
+        self,
+        x: torch.Tensor,  # [T, H] the previous layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [T, H] the stream before x is added (None: layer 0)
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        attn,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream without it)
+        """The residual stream is `residual + x`; each norm adds its input into `residual` in the
+        same pass (rounded to the activation dtype, as the eager `x = x + h`)."""
+        if residual is None:
+            residual = x  # the embeddings: a fresh tensor, updated in place from here on
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, rope, attn)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -179,11 +170,16 @@ class LlamaForCausalLM(nn.Module):
             config, head_dim, max_positions or config.max_position_embeddings
         )
 
-    def enable_fused_ops(self) -> None:
-        """Use the Triton RMSNorm (+residual) and RoPE kernels (the GPU path)."""
+    def set_layer_ops(self, ops: LayerOps) -> None:
+        """Run the norms, RoPE and SiLU-and-mul through `ops` (`radixlm.kernels.layer_ops`:
+        the torch twins by default, fused C++ ops on CPU, Triton on CUDA)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
-                module.fused = True
+            if isinstance(module, (RMSNorm, RotaryEmbedding, MLP)):
+                module.ops = ops
+
+    @property
+    def layer_ops(self) -> LayerOps:
+        return self.norm.ops
 
     def tie_weights(self) -> None:
         """Share lm_head with the embedding (again after `to_empty`, which unties)."""
@@ -193,9 +189,11 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:  # [R, V] float32
         x = self.embed_tokens(batch.input_ids)  # [T, H]
+        residual = None
         for layer in self.layers:
-            x = layer(x, batch, self.rotary, attn)
-        x = self.norm(x[batch.logits_indices])  # [R, H]
+            x, residual = layer(x, residual, batch, self.rotary, attn)
+        rows = batch.logits_indices
+        x = self.norm(x[rows], residual[rows])  # [R, H]
         return self.lm_head(x).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

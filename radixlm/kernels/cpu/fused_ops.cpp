@@ -1,0 +1,351 @@
+// Fused elementwise ops of the CPU decoder layer: RMSNorm (optionally with the residual add),
+// RoPE in place, SiLU-and-mul, and the K/V store into the paged cache.
+//
+// Each op replaces a chain of 5-12 eager ATen calls (and their dtype round trips) with one
+// dispatch; their torch twins are in radixlm/kernels/reference.py and their numerics are those of
+// the eager model (radixlm/runtime/models/llama.py, i.e. Hugging Face transformers): statistics in
+// fp32, and every value the eager model rounds to the activation dtype is rounded here at the
+// same point, so in float32 the results match the twins to the last bit or close to it.
+//
+// NOTE: no floating-point contraction in this file (a fused multiply-add rounds differently from
+// the eager model's separate multiply and add).
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+// Rows per parallel chunk: below this, one thread does all (a decode step has 1-64 rows).
+constexpr int64_t GRAIN_ROWS = 16;
+
+template <typename T>
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
+
+// Round an fp32 value to T and back: where the eager model materializes a T tensor.
+template <typename T>
+inline float round_t(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+template <>
+inline float round_t<float>(float x) {
+  return x;
+}
+
+// ---- 16-float vectors (GCC vector extensions: AVX-512 code for -march=native, two AVX2 halves
+// elsewhere). Loads and stores go through memcpy (no alignment assumed).
+constexpr int W = 16;
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+// Unaligned views for direct vector loads / stores (a memcpy through a stack temporary stalls
+// store-to-load forwarding).
+typedef float vf_u __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+// W elements as fp32; `n < W` reads only n (the rest are 0).
+template <typename T>
+inline vf load_v(const T* p, int64_t n = W) {
+  if constexpr (std::is_same_v<T, float>) {
+    vf v{};
+    if (n == W) return *reinterpret_cast<const vf_u*>(p);
+    std::memcpy(&v, p, n * sizeof(float));
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    vh h{};
+    if (n == W) h = *reinterpret_cast<const vh_u*>(p);
+    else std::memcpy(&h, p, n * sizeof(uint16_t));
+    return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
+  } else {
+    vf v{};
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+  }
+}
+
+// bf16 round-to-nearest-even of each lane, kept as fp32 bits (NaN payloads are not preserved).
+inline vu bf16_bits(vf v) {
+  const vu u = reinterpret_cast<vu>(v);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+template <typename T>
+inline void store_v(T* p, vf v, int64_t n = W) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n == W) *reinterpret_cast<vf_u*>(p) = v;
+    else std::memcpy(p, &v, n * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const vh h = __builtin_convertvector(bf16_bits(v), vh);
+    if (n == W) *reinterpret_cast<vh_u*>(p) = h;
+    else std::memcpy(p, &h, n * sizeof(uint16_t));
+  } else {
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(v[i]);
+  }
+}
+
+// Vector round_t: each lane rounded to T and back to fp32.
+template <typename T>
+inline vf round_v(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return reinterpret_cast<vf>(bf16_bits(v) << 16);
+  } else {
+    for (int i = 0; i < W; ++i) v[i] = round_t<T>(v[i]);
+    return v;
+  }
+}
+
+// e^x, Cephes' single-precision polynomial (relative error ~1e-7), x clamped to fp32's range.
+inline vf exp_v(vf x) {
+  x = x < -87.33654f ? splat(-87.33654f) : x;
+  x = x > 88.72283f ? splat(88.72283f) : x;
+  const vf t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln 2) by the 1.5 * 2^23 trick
+  const vf n = t - 12582912.f;
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vf y = p * r * r + r + 1.f;
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return y * reinterpret_cast<vf>(e);
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t xs, T* res, int64_t rs, const T* w, T* y, int64_t ys,
+                   int64_t rows, int64_t h, float eps, bool add) {
+  at::parallel_for(0, rows, GRAIN_ROWS, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(h);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * xs;
+      T* rr = add ? res + r * rs : nullptr;
+      float* b = buf.data();
+      vf acc{};
+      for (int64_t i = 0; i < h; i += W) {
+        const int64_t n = std::min<int64_t>(W, h - i);
+        vf v = load_v(xr + i, n);
+        if (add) {  // residual <- round(x + residual); normalize the residual
+          v = round_v<T>(v + load_v(rr + i, n));
+          store_v(rr + i, v, n);
+        }
+        store_v(b + i, v, n);
+        acc += v * v;
+      }
+      float ss = 0.f;
+      for (int i = 0; i < W; ++i) ss += acc[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      T* yr = y + r * ys;
+      for (int64_t i = 0; i < h; i += W) {
+        const int64_t n = std::min<int64_t>(W, h - i);
+        store_v(yr + i, load_v(w + i, n) * round_v<T>(load_v(b + i, n) * inv), n);
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch_float(at::ScalarType t, const char* name, F f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype must be float32, bfloat16 or float16");
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensor expected");
+  TORCH_CHECK(t.dim() == dim, name, ": expected ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.stride(-1) == 1, name, ": last dim must be contiguous");
+}
+
+}  // namespace
+
+// y = weight * normalize(x), or with `add`: residual <- x + residual, y = weight * normalize(it).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x", 2);
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be [H], contiguous, x's dtype");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  dispatch_float(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), nullptr, 0, weight.data_ptr<T>(),
+                     y.data_ptr<T>(), y.stride(0), x.size(0), x.size(1), (float)eps, false);
+  });
+  return y;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows(x, "x", 2);
+  check_rows(residual, "residual", 2);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: residual must have x's shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: weight must be [H], contiguous, x's dtype");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  dispatch_float(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), residual.data_ptr<T>(), residual.stride(0),
+                     weight.data_ptr<T>(), y.data_ptr<T>(), y.stride(0), x.size(0), x.size(1),
+                     (float)eps, true);
+  });
+  return y;
+}
+
+// In place: x[t, h] <- x * cos[pos[t]] + rotate_half(x) * sin[pos[t]] for q and k (neox style),
+// cos/sin rounded to x's dtype first and each product rounded, as the eager model computes it.
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
+           const at::Tensor& sin) {
+  check_rows(q, "q", 3);
+  check_rows(k, "k", 3);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "rope: q and k must have one dtype");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2), "rope: q/k shapes do not match");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() &&
+                  positions.dim() == 1 && positions.size(0) == q.size(0),
+              "rope: positions must be int64 [T]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && cos.size(1) == q.size(2),
+              "rope: cos/sin must be float32 [P, D] contiguous");
+  const int64_t t = q.size(0), d = q.size(2), half = d / 2, p = cos.size(0);
+  TORCH_CHECK(d % 2 == 0, "rope: head dim must be even");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < p, "rope: position ", pos[i], " outside the table");
+  dispatch_float(q.scalar_type(), "rope", [&](auto tag) {
+    using T = decltype(tag);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    auto rotate = [&](at::Tensor& x, int64_t r) {
+      T* base = x.data_ptr<T>() + r * x.stride(0);
+      const float* c = cp + pos[r] * d;
+      const float* s = sp + pos[r] * d;
+      for (int64_t hh = 0; hh < x.size(1); ++hh) {
+        T* v = base + hh * x.stride(1);
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_f(v[i]), b = to_f(v[i + half]);
+          // rotate_half(x) = (-x2, x1)
+          const float lo = round_t<T>(a * round_t<T>(c[i])) + round_t<T>(-b * round_t<T>(s[i]));
+          const float hi =
+              round_t<T>(b * round_t<T>(c[i + half])) + round_t<T>(a * round_t<T>(s[i + half]));
+          v[i] = static_cast<T>(lo);
+          v[i + half] = static_cast<T>(hi);
+        }
+      }
+    };
+    at::parallel_for(0, t, GRAIN_ROWS, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        rotate(q, r);
+        rotate(k, r);
+      }
+    });
+  });
+}
+
+// [T, 2I] -> [T, I]: silu(x[:, :I]) * x[:, I:], silu rounded to x's dtype before the product.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x", 2);
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: last dim must be even");
+  const int64_t t = x.size(0), n = x.size(1) / 2;
+  at::Tensor y = at::empty({t, n}, x.options());
+  dispatch_float(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* yp = y.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, t, GRAIN_ROWS, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* g = xp + r * xs;
+        const T* u = g + n;
+        T* o = yp + r * n;
+        for (int64_t i = 0; i < n; i += W) {
+          const int64_t m = std::min<int64_t>(W, n - i);
+          const vf a = load_v(g + i, m);
+          store_v(o + i, round_v<T>(a / (1.f + exp_v(-a))) * load_v(u + i, m), m);
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// k_buf[slots[t]] <- k[t], v_buf[slots[t]] <- v[t] (converted to the cache's dtype).
+void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  check_rows(k, "k", 3);
+  check_rows(v, "v", 3);
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3 &&
+                  k_buf.sizes() == v_buf.sizes() && k_buf.scalar_type() == v_buf.scalar_type(),
+              "store_kv: k_buf/v_buf must be contiguous [S, Hkv, D] of one dtype");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_buf.size(1) && k.size(2) == k_buf.size(2),
+              "store_kv: k/v must be [T, Hkv, D] matching the cache");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "store_kv: k and v must have one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 &&
+                  slots.size(0) == k.size(0),
+              "store_kv: slots must be int64 [T]");
+  const int64_t t = k.size(0), hkv = k.size(1), d = k.size(2), s = k_buf.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < s, "store_kv: slot ", sl[i], " outside the cache");
+  dispatch_float(k_buf.scalar_type(), "store_kv", [&](auto ctag) {
+    using C = decltype(ctag);
+    dispatch_float(k.scalar_type(), "store_kv", [&](auto xtag) {
+      using X = decltype(xtag);
+      auto copy = [&](at::Tensor& buf, const at::Tensor& x) {
+        C* bp = buf.data_ptr<C>();
+        const X* xp = x.data_ptr<X>();
+        for (int64_t i = 0; i < t; ++i) {
+          C* dst = bp + sl[i] * hkv * d;
+          for (int64_t hh = 0; hh < hkv; ++hh) {
+            const X* src = xp + i * x.stride(0) + hh * x.stride(1);
+            if constexpr (std::is_same_v<C, X>) {
+              std::memcpy(dst + hh * d, src, d * sizeof(C));
+            } else {
+              for (int64_t j = 0; j < d; ++j) dst[hh * d + j] = static_cast<C>(to_f(src[j]));
+            }
+          }
+        }
+      };
+      copy(k_buf, k);
+      copy(v_buf, v);
+    });
+  });
+}
+
+TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("store_kv(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slots, Tensor k, Tensor v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv", &store_kv);
+}
