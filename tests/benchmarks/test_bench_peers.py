@@ -130,7 +130,7 @@ def test_ratios_pair_workloads_and_handle_missing_and_zero() -> None:
         _result("vllm", "c1", 25.0, 200.0, 40.0),
         _result("vllm", "c8", 100.0, 400.0, 0.0),
     ]
-    rats = bp.ratios(results)
+    rats = bp.ratios(results, baseline="vllm")
     assert [q.workload for q in rats] == ["c1", "c8"]
     c1, c8 = rats
     assert c1.output_tok_s == pytest.approx(1.2) and c1.prompt_tok_s == pytest.approx(1.2)
@@ -146,19 +146,40 @@ def test_markdown_table_has_rows_and_ratios() -> None:
         _result("vllm", "c1", 25.0, 200.0, 40.0),
     ]
     results[1].ttft_p99_ms = math.nan
-    text = bp.markdown_table(results, bp.ratios(results))
+    text = bp.markdown_table(results, bp.ratios(results, baseline="vllm"))
     lines = text.splitlines()
     assert lines[0].startswith("| workload | system |")
     assert "| c1 | radixlm | 8/8 | 30.0 | 60 | 100 / 200 | 20.0 / 40.0 |" in lines
     assert "| c1 | vllm | 8/8 | 25.0 | 50 | 200 / – | 40.0 / 80.0 |" in lines
-    assert "| c1 | 1.20x | 1.20x | 0.50x / –x | 0.50x / 0.50x |" in lines
-    assert "radixlm/vllm" in text
+    assert "| c1 | radixlm/vllm | 1.20x | 1.20x | 0.50x / –x | 0.50x / 0.50x |" in lines
     assert "x |" not in bp.markdown_table(results[:1], [])  # no ratio table for one system
+
+
+def test_best_of_picks_the_faster_vllm_dtype_per_workload() -> None:
+    results = [
+        _result("radixlm", "c1", 30.0, 100.0, 20.0),
+        _result("radixlm", "prefill", 1.0, 100.0, 20.0),
+        _result("vllm-bf16", "c1", 25.0, 200.0, 40.0),
+        _result("vllm-fp32", "c1", 20.0, 150.0, 50.0),
+        _result("vllm-bf16", "prefill", 1.0, 200.0, 40.0),
+        _result("vllm-fp32", "prefill", 3.0, 150.0, 50.0),  # prefill: prompt tok/s decides
+    ]
+    best = {r.workload: r for r in bp.best_of(results, "vllm-", "vllm-best")}
+    assert best["c1"].system == "vllm-best (vllm-bf16)" and best["c1"].output_tok_s == 25.0
+    assert best["prefill"].system == "vllm-best (vllm-fp32)"
+    rats = bp.ratios([*results, *best.values()])
+    assert [(q.workload, q.baseline) for q in rats] == [
+        ("c1", "vllm-best"),
+        ("prefill", "vllm-best"),
+    ]
+    assert rats[0].output_tok_s == pytest.approx(1.2)
+    assert rats[1].prompt_tok_s == pytest.approx(2 / 6)
 
 
 def test_parse_args_systems() -> None:
     args = bp.parse_args(["--systems", "vllm", "--llama-server", "/x/llama-server"])
-    assert args.systems == ["vllm", "llamacpp"]
+    assert args.systems == ["vllm-bf16", "vllm-fp32", "llamacpp"]
+    assert bp.parse_args(["--systems", "vllm-fp32"]).systems == ["vllm-fp32"]
     assert bp.parse_args(["--systems", "radixlm"]).systems == ["radixlm"]
     with pytest.raises(SystemExit):
         bp.parse_args(["--systems", "sglang"])

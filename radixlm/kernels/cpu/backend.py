@@ -124,6 +124,17 @@ class CpuAttentionBackend:
         # Split-KV scratch, allocated by the first layer (Hq and D are known there).
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def partial_buffers(self, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's split-KV scratch (`[parts, Hq, D]`, `[parts, Hq]` fp32), allocated
+        once per forward and shared by its layers."""
+        parts = self._parts
+        if parts is None or parts[0].shape[1:] != (hq, d):
+            parts = self._parts = (
+                torch.empty((self.num_parts, hq, d), dtype=torch.float32),
+                torch.empty((self.num_parts, hq), dtype=torch.float32),
+            )
+        return parts
+
     def forward(
         self,
         layer_id: int,
@@ -141,13 +152,7 @@ class CpuAttentionBackend:
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         qc = q if q.dtype == k_buf.dtype and q.stride(-1) == 1 else q.to(k_buf.dtype).contiguous()
         out = torch.empty(qc.shape, dtype=qc.dtype)  # [T, Hq, D]
-        parts = self._parts
-        if parts is None or parts[0].shape[1:] != qc.shape[1:]:
-            t, hq, d = qc.shape
-            parts = self._parts = (
-                torch.empty((self.num_parts, hq, d), dtype=torch.float32),
-                torch.empty((self.num_parts, hq), dtype=torch.float32),
-            )
+        parts = self.partial_buffers(qc.shape[1], qc.shape[2])
         self.op.paged_attention(
             qc,
             k_buf,

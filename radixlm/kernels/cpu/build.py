@@ -24,7 +24,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NAME = "radixlm_cpu_ops"
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "threads.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "threads.cpp", "decoder.cpp")
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 
@@ -107,8 +107,9 @@ def _summary(e: BaseException) -> str:
 def load_op(verbose: bool = False) -> Any:
     """`torch.ops.radixlm_cpu` (built on first use if not in the cache), or None (logged once).
 
-    Its one op: `paged_attention(q, k_buf, v_buf, out, page_table, items, reduces, part_o,
-    part_lse, page_size, scale)`, see `paged_attention.cpp`."""
+    Its ops: `paged_attention` (`paged_attention.cpp`); the fused layer ops `rms_norm`,
+    `add_rms_norm`, `rope_`, `silu_and_mul`, `store_kv` (`fused_ops.cpp`, launchers in
+    `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

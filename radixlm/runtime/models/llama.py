@@ -169,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config, head_dim, max_positions or config.max_position_embeddings
         )
+        # `CpuDecoderStack` (set by the runner): the layers as one compiled call; None: Python
+        self.stack = None
 
     def set_layer_ops(self, ops: LayerOps) -> None:
         """Run the norms, RoPE and SiLU-and-mul through `ops` (`radixlm.kernels.layer_ops`:
@@ -189,9 +191,12 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:  # [R, V] float32
         x = self.embed_tokens(batch.input_ids)  # [T, H]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, self.rotary, attn)
+        if self.stack is not None:  # the compiled CPU stack: the same ops in one call
+            x, residual = self.stack(x, batch)
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, batch, self.rotary, attn)
         rows = batch.logits_indices
         x = self.norm(x[rows], residual[rows])  # [R, H]
         return self.lm_head(x).float()

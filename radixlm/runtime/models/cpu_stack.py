@@ -1,0 +1,113 @@
+"""The CPU compiled forward's layer stack: one `decoder_stack` op call per forward
+(`radixlm/kernels/cpu/decoder.cpp`) instead of ~15 Python-level calls per layer.
+
+It runs exactly the ops of the Python layer with the `cpu` layer-op set and prepacked linears, in
+the same order, so the two agree to the last bit (tested); it applies only where every piece is
+the compiled one: the `cpu` attention backend reading the op's planned work items, `PackedLinear`
+projections without a low-precision small-row copy, no tensor parallelism. Elsewhere the model
+runs its Python layers (`LlamaForCausalLM.forward`), which stay the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixlm.kernels.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecoderStack:
+    """Weights and KV buffers of every layer gathered once; `__call__(x, batch)` runs the stack
+    on the embeddings `x` and returns `(x, residual)` as the Python layers would."""
+
+    def __init__(self, model, attn) -> None:
+        from radixlm.kernels.cpu.build import load_op
+
+        self.op = load_op()
+        layers = model.layers
+        a0 = layers[0].self_attn
+        self.attn = attn
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            a0.num_heads,
+            a0.num_kv_heads,
+            a0.head_dim,
+        )
+        self.scale = a0.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.rotary = model.rotary
+        self.ln1 = [lay.input_layernorm.weight.detach() for lay in layers]
+        self.ln2 = [lay.post_attention_layernorm.weight.detach() for lay in layers]
+        proj = {
+            "qkv": [lay.self_attn.qkv_proj for lay in layers],
+            "o": [lay.self_attn.o_proj for lay in layers],
+            "gate_up": [lay.mlp.gate_up_proj for lay in layers],
+            "down": [lay.mlp.down_proj for lay in layers],
+        }
+        self.weights = {k: [m.packed for m in v] for k, v in proj.items()}
+        self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
+        self.k_bufs = attn.kv_cache.k_buffers
+        self.v_bufs = attn.kv_cache.v_buffers
+
+    @staticmethod
+    def unsupported_reason(model, attn) -> str | None:
+        """Why the stack cannot run this model with this backend (None: it can)."""
+        from radixlm.kernels.cpu.backend import CpuAttentionBackend
+        from radixlm.kernels.cpu.build import load_op
+        from radixlm.runtime.models.cpu_linear import PackedLinear
+
+        if load_op() is None:
+            return "the CPU ops are unavailable"
+        if not isinstance(attn, CpuAttentionBackend) or attn._twin is not None:
+            return "the attention backend is not the compiled CPU op"
+        if model.layer_ops.name != "cpu":
+            return "the layer ops are not the fused CPU ops"
+        for layer in model.layers:
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                if type(m) is not PackedLinear or m.weight_lowp is not None:
+                    return f"{type(m).__name__} projections (not plain prepacked linears)"
+        return None
+
+    def __call__(
+        self, x: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, H] -> (x [T, H], residual [T, H])
+        attn = self.attn
+        part_o, part_lse = attn.partial_buffers(self.num_heads, self.head_dim)
+        w, b = self.weights, self.biases
+        return self.op.decoder_stack(
+            x,
+            self.ln1,
+            self.ln2,
+            w["qkv"],
+            b["qkv"],
+            w["o"],
+            b["o"],
+            w["gate_up"],
+            b["gate_up"],
+            w["down"],
+            b["down"],
+            self.k_bufs,
+            self.v_bufs,
+            self.eps,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            batch.positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            batch.out_cache_loc,
+            attn.page_table,
+            attn.items,
+            attn.reduces,
+            part_o,
+            part_lse,
+            batch.page_size,
+            self.scale,
+        )
