@@ -20,7 +20,9 @@ _HELP = {
     "dtype": "bfloat16 | float16 | float32",
     "device": "cuda | cpu (default: cuda if available)",
     "attention_backend": "auto (cpu op on CPU, triton on CUDA) | cpu | torch | triton",
-    "num_threads": "torch CPU threads",
+    "num_threads": "torch CPU threads (the forward's team, pinned one per CPU)",
+    "enforce_eager": "run the eager reference model instead of the CPU compiled forward "
+    "(prepacked oneDNN linears, fused C++ layer ops, one decoder_stack call)",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
     "grammar_backend": "constrained decoding backend: auto (per constraint, the first of "
@@ -64,8 +66,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 continue
             default = f.default if f.default is not MISSING else None
             kind = str(f.type)
+            extra: dict[str, Any] = {}
             if "bool" in kind:
                 typ: Any = _str2bool
+                extra = {"nargs": "?", "const": True}  # `--flag` alone means true
             elif "float" in kind:
                 typ = float
             elif "int" in kind:
@@ -78,6 +82,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 type=typ,
                 default=default,
                 help=f"{_HELP.get(f.name, f.name)} (default: {default})",
+                **extra,
             )
     group.add_argument(
         "--disable-jump-forward",

@@ -88,3 +88,16 @@ def test_serve_flags(monkeypatch):
     assert seen["server"].dashboard_show_text is False
     assert cli_main([*argv, "--dashboard-show-text"]) == 0
     assert seen["server"].dashboard_show_text is True
+
+
+def test_bool_engine_flags_alone_mean_true(monkeypatch):
+    import radixlm.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_serve", lambda args: seen.update(cli.engine_kwargs(args)) or 0)
+    assert cli_main(["serve", "--enforce-eager"]) == 0  # vLLM's spelling
+    assert seen["enforce_eager"] is True
+    assert cli_main(["serve", "--enforce-eager", "false"]) == 0
+    assert seen["enforce_eager"] is False
+    assert cli_main(["serve"]) == 0
+    assert seen["enforce_eager"] is False

@@ -223,6 +223,170 @@ inline void by_row_tiles(int64_t rows, Tile tile) {
   }
 }
 
+
+#if defined(__AVX512BF16__)
+// ---- Decode rows over bf16 K/V with AVX512_BF16 dot products (vdpbf16ps) ------------------------
+//
+// A decode item (one query row) reads each K/V row once per KV head and uses it for the G query
+// heads of its group. Instead of converting the block to fp32 and multiplying in fp32, the dot
+// products run on the bf16 values directly: q . k as pairs of bf16 products accumulated in fp32
+// (exact products; q is the bf16 query, the softmax scale is applied to the fp32 score), and
+// P @ V with P rounded to bf16 (as GPU flash attention does), accumulated in fp32.
+constexpr int DKB = 16;  // keys per block: one 16-lane score vector per query head
+
+// r[j] = sum of the 16 lanes of a[j], j < 16 (a transpose-and-add tree: 45 vector ops).
+inline __m512 hsum16x16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512bh load_bh(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// The accumulators of P @ V hold d in the order the 16-bit unpacks leave it: vector 2c (lo) lane
+// k is d = 32c + 8(k / 4) + k % 4, vector 2c + 1 (hi) the same + 4.
+inline int64_t acc_d(int64_t vec, int64_t k) {
+  return 32 * (vec / 2) + 8 * (k / 4) + k % 4 + 4 * (vec % 2);
+}
+
+constexpr int DEC_MAX_G = 8;   // query heads per KV head handled here (else the generic path)
+constexpr int DEC_MAX_C = 8;   // head dim / 32 (head dim <= 256)
+
+bool decode_bf16_fits(const Dims& dm) {
+  return dm.group <= DEC_MAX_G && dm.d % 32 == 0 && dm.d / 32 <= DEC_MAX_C;
+}
+
+void attend_decode_bf16(const int32_t* item, const c10::BFloat16* q, const c10::BFloat16* k_buf,
+                        const c10::BFloat16* v_buf, const int32_t* page_table, c10::BFloat16* out,
+                        float* part_o, float* part_lse, const Dims& dm, float qscale,
+                        Scratch& sc) {
+  const int64_t req = item[0], row0 = item[1], pos0 = item[3];
+  const int64_t kv_lo = item[4], part = item[6];
+  const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + 1);
+  const int64_t D = dm.d, G = dm.group, H = dm.hkv, C = D / 32;
+  const int32_t* pages = page_table + req * dm.pt_s0;
+  const int64_t ps = dm.page_size;
+  float* acc = sc.acc.data();  // [Hq, D] in acc_d order
+  float* mrow = sc.m.data();
+  float* lrow = sc.l.data();
+  std::fill(acc, acc + H * G * D, 0.f);
+  std::fill(mrow, mrow + H * G, NEG_INF);
+  std::fill(lrow, lrow + H * G, 0.f);
+  const c10::BFloat16* qrow = q + row0 * dm.q_s0;
+  const c10::BFloat16* krow[DKB];
+  const c10::BFloat16* vrow[DKB];
+  alignas(64) float s[DKB];
+  alignas(64) float p[DKB];
+  uint32_t pair[DEC_MAX_G][DKB / 2];
+  float alpha[DEC_MAX_G];
+  for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += DKB) {
+    const int64_t n = std::min<int64_t>(DKB, kv_hi - j0);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const int64_t pos = j0 + jj;
+      const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
+      krow[jj] = k_buf + slot * dm.kv_s0;
+      vrow[jj] = v_buf + slot * dm.kv_s0;
+    }
+    for (int64_t jj = n; jj < DKB; ++jj) krow[jj] = vrow[jj] = nullptr;
+    // Scattered pages: prefetch the next block's rows while this one is computed.
+    for (int64_t pos = j0 + DKB; pos < std::min<int64_t>(kv_hi, j0 + 2 * DKB); ++pos) {
+      const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
+      const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
+      const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
+      for (int64_t b = 0; b < H * D * 2; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        const c10::BFloat16* qh = qrow + hq * dm.q_s1;
+        __m512bh qv[DEC_MAX_C];
+        for (int64_t c = 0; c < C; ++c) qv[c] = load_bh(qh + 32 * c);
+        __m512 dots[DKB];
+        for (int64_t jj = 0; jj < DKB; ++jj) {
+          __m512 a = _mm512_setzero_ps();
+          if (jj < n) {
+            const c10::BFloat16* kh = krow[jj] + h * dm.kv_s1;
+            for (int64_t c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], load_bh(kh + 32 * c));
+          }
+          dots[jj] = a;
+        }
+        _mm512_store_ps(s, _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(qscale)));
+        for (int64_t jj = n; jj < DKB; ++jj) s[jj] = NEG_INF;
+        float mx = NEG_INF;
+        for (int64_t jj = 0; jj < n; ++jj) mx = std::max(mx, s[jj]);
+        const float m_new = std::max(mrow[hq], mx);
+        alpha[g] = mrow[hq] == NEG_INF ? 0.f : exp2s(mrow[hq] - m_new);
+        const v8 mb = bcast(m_new);
+        const v8 e0 = exp2v(load(s) - mb), e1 = exp2v(load(s + VW) - mb);
+        store(p, e0);
+        store(p + VW, e1);
+        lrow[hq] = lrow[hq] * alpha[g] + hsum(e0 + e1);
+        mrow[hq] = m_new;
+        // P rounded to bf16, two keys per 32-bit lane: (p[j], p[j + 1])
+        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p));
+        std::memcpy(pair[g], &pb, sizeof(pb));
+      }
+      __m512 accv[DEC_MAX_G][2 * DEC_MAX_C];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* a = acc + (h * G + g) * D;
+        const __m512 al = _mm512_set1_ps(alpha[g]);
+        for (int64_t c = 0; c < 2 * C; ++c)
+          accv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al);
+      }
+      for (int64_t jj = 0; jj < n; jj += 2) {
+        const c10::BFloat16* v0 = vrow[jj] + h * dm.kv_s1;
+        const c10::BFloat16* v1 = (jj + 1 < n ? vrow[jj + 1] : vrow[jj]) + h * dm.kv_s1;
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + 32 * c));
+          const __m512i y = _mm512_loadu_si512(reinterpret_cast<const void*>(v1 + 32 * c));
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+          const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+          for (int64_t g = 0; g < G; ++g) {
+            // p[n] is exp2(-inf) = 0: an odd block's last pair adds nothing for its second key
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[g][jj / 2]));
+            accv[g][2 * c] = _mm512_dpbf16_ps(accv[g][2 * c], lo, pp);
+            accv[g][2 * c + 1] = _mm512_dpbf16_ps(accv[g][2 * c + 1], hi, pp);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + (h * G + g) * D;
+        for (int64_t c = 0; c < 2 * C; ++c) _mm512_storeu_ps(a + 16 * c, accv[g][c]);
+      }
+    }
+  }
+  alignas(64) float tmp[32 * DEC_MAX_C];
+  for (int64_t hq = 0; hq < H * G; ++hq) {
+    const float* a = acc + hq * D;
+    for (int64_t vec = 0; vec < 2 * C; ++vec)
+      for (int64_t k = 0; k < 16; ++k) tmp[acc_d(vec, k)] = a[16 * vec + k];
+    const float inv = lrow[hq] > 0.f ? 1.f / lrow[hq] : 0.f;
+    if (part < 0) {
+      store_out(tmp, out + row0 * dm.o_s0 + hq * dm.o_s1, D, inv);
+    } else {
+      float* po = part_o + (part * dm.hq + hq) * D;
+      for (int64_t d = 0; d < D; ++d) po[d] = tmp[d] * inv;
+      part_lse[part * dm.hq + hq] = mrow[hq] + std::log2(lrow[hq]);
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 // One work item over all KV heads: a key block is read as whole [Hkv, D] rows (contiguous:
 // a page is one sequential run of memory), converted to fp32 once, and used by every query
 // head of its group.
@@ -242,6 +406,14 @@ void attend_task(
   const int64_t req = item[0], row0 = item[1], nq = item[2], pos0 = item[3];
   const int64_t kv_lo = item[4], part = item[6];
   const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + nq);
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (nq == 1 && decode_bf16_fits(dm)) {
+      attend_decode_bf16(item, q, k_buf, v_buf, page_table, out, part_o, part_lse, dm, qscale, sc);
+      return;
+    }
+  }
+#endif
   const int64_t D = dm.d, G = dm.group, H = dm.hkv, M = nq * G, MT = H * M;
   const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
   float* qf = sc.qf.data();
