@@ -385,6 +385,78 @@ void attend_decode_bf16(const int32_t* item, const c10::BFloat16* q, const c10::
     }
   }
 }
+
+// ---- Extend tiles over bf16 K/V with AVX512_BF16 dot products ----------------------------------
+//
+// The register tiles of the fp32 path (RM query rows x 64 keys; RM rows x 32 columns of D) on
+// bf16 pairs: q and K as (d, d + 1) pairs, P and V as (key j, key j + 1) pairs, fp32 accumulation.
+// Layouts per KV head, as uint32 pairs: q [rows, D/2]; K [D/2, BLOCK_K] (pair p of key j at
+// p * BLOCK_K + j); V [BLOCK_K/2, D] (keys 2i, 2i+1 of column d at i * D + d); P overwrites the
+// first BLOCK_K/2 floats of its own score row.
+constexpr bool kHasBf16Dot = true;
+
+inline uint32_t bf16_bits_rne(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+template <int RM>
+inline void scores_tile_bf16(const uint32_t* qp, int64_t q_stride, const uint32_t* kt2, int64_t D,
+                             float qscale, float* s) {
+  __m512 a[RM][4];
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D / 2; ++p) {
+    const uint32_t* kr = kt2 + p * BLOCK_K;
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kr + 16);
+    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kr + 32);
+    const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+    for (int r = 0; r < RM; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[r * q_stride + p]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], qb, k0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], qb, k1);
+      a[r][2] = _mm512_dpbf16_ps(a[r][2], qb, k2);
+      a[r][3] = _mm512_dpbf16_ps(a[r][3], qb, k3);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(qscale);
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * BLOCK_K + 16 * c, _mm512_mul_ps(a[r][c], sc));
+}
+
+template <int RM>
+inline void pv_tile_bf16(float* acc, const float* alpha, const uint32_t* pp, const uint32_t* vt2,
+                         int64_t npairs, int64_t D) {
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512 a[RM][2];
+    for (int r = 0; r < RM; ++r) {
+      const __m512 al = _mm512_set1_ps(alpha[r]);
+      a[r][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), al);
+      a[r][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16), al);
+    }
+    for (int64_t i = 0; i < npairs; ++i) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vt2 + i * D + d);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vt2 + i * D + d + 16);
+      for (int r = 0; r < RM; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * BLOCK_K + i]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], pb, v0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], pb, v1);
+      }
+    }
+    for (int r = 0; r < RM; ++r) {
+      _mm512_storeu_ps(acc + r * D + d, a[r][0]);
+      _mm512_storeu_ps(acc + r * D + d + 16, a[r][1]);
+    }
+  }
+}
+#else
+constexpr bool kHasBf16Dot = false;
+template <int RM>
+void scores_tile_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float, float*);
+template <int RM>
+void pv_tile_bf16(float*, const float*, const uint32_t*, const uint32_t*, int64_t, int64_t);
 #endif  // __AVX512BF16__
 
 // One work item over all KV heads: a key block is read as whole [Hkv, D] rows (contiguous:
@@ -416,6 +488,9 @@ void attend_task(
 #endif
   const int64_t D = dm.d, G = dm.group, H = dm.hkv, M = nq * G, MT = H * M;
   const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
+  // bf16 K/V on a CPU with AVX512_BF16: the tiles multiply bf16 pairs (see scores_tile_bf16)
+  constexpr bool kBf = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
+  const bool bfdot = kBf && tiled && D % 32 == 0 && D <= 256;
   float* qf = sc.qf.data();
   float* acc = sc.acc.data();
   float* mrow = sc.m.data();
@@ -431,6 +506,10 @@ void attend_task(
       for (int64_t g = 0; g < G; ++g) {
         const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
         float* dst = qf + (h * M + i * G + g) * D;
+        if (bfdot) {  // unscaled bf16 pairs (the scale multiplies the fp32 scores)
+          std::memcpy(dst, src, D * sizeof(T));
+          continue;
+        }
         for (int64_t d = 0; d < D; d += VW) store(dst + d, load_f(src + d) * qscale);
       }
     }
@@ -450,6 +529,15 @@ void attend_task(
       for (int64_t h = 0; h < H; ++h) {
         const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
         const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
+        if (bfdot) {  // K as [D/2, BLOCK_K] pairs, V as [BLOCK_K/2, D] key pairs
+          uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt + h * blk);
+          const uint32_t* kw = reinterpret_cast<const uint32_t*>(kp);
+          for (int64_t p = 0; p < D / 2; ++p) kt2[p * BLOCK_K + jj] = kw[p];
+          uint16_t* vt2 = reinterpret_cast<uint16_t*>(vf + h * blk);
+          const uint16_t* vw = reinterpret_cast<const uint16_t*>(vp);
+          for (int64_t d = 0; d < D; ++d) vt2[((jj / 2) * D + d) * 2 + (jj & 1)] = vw[d];
+          continue;
+        }
         for (int64_t d = 0; d < D; d += VW) {
           const v8 kv = load_f(kp + d);
           if (tiled) {
@@ -476,6 +564,16 @@ void attend_task(
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = qf + h * M * D;
       float* sh = s + h * M * BLOCK_K;
+      if constexpr (kBf) {
+        if (bfdot) {
+          const uint32_t* qp = reinterpret_cast<const uint32_t*>(qh);  // row stride D floats
+          const uint32_t* kt2 = reinterpret_cast<const uint32_t*>(kt + h * blk);
+          by_row_tiles(M, [&](int64_t r, auto rm) {  // a q row: D/2 pairs in D floats of room
+            scores_tile_bf16<decltype(rm)::value>(qp + r * D, D, kt2, D, qscale, sh + r * BLOCK_K);
+          });
+          continue;
+        }
+      }
       if (tiled) {
         const float* kth = kt + h * blk;
         by_row_tiles(M, [&](int64_t r, auto rm) {
@@ -509,6 +607,28 @@ void attend_task(
       }
       lrow[r] = lrow[r] * alpha[r] + hsum(sum);
       mrow[r] = m_new;
+    }
+    if (bfdot) {  // P as bf16 key pairs, in place at the start of each score row
+      if constexpr (kBf) {
+        const int64_t npairs = (n + 1) / 2;
+        for (int64_t r = 0; r < MT; ++r) {
+          float* sr = s + r * BLOCK_K;
+          uint32_t* pr = reinterpret_cast<uint32_t*>(sr);
+          for (int64_t i = 0; i < npairs; ++i)
+            pr[i] = bf16_bits_rne(sr[2 * i]) | (bf16_bits_rne(sr[2 * i + 1]) << 16);
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const uint32_t* vt2 = reinterpret_cast<const uint32_t*>(vf + h * blk);
+          float* ah = acc + h * M * D;
+          const float* alh = alpha + h * M;
+          const uint32_t* ph = reinterpret_cast<const uint32_t*>(s + h * M * BLOCK_K);
+          by_row_tiles(M, [&](int64_t r, auto rm) {
+            pv_tile_bf16<decltype(rm)::value>(ah + r * D, alh + r, ph + r * BLOCK_K, vt2, npairs,
+                                              D);
+          });
+        }
+      }
+      continue;
     }
     for (int64_t h = 0; h < H; ++h) {
       float* ah = acc + h * M * D;
