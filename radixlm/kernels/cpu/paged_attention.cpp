@@ -224,6 +224,13 @@ inline void by_row_tiles(int64_t rows, Tile tile) {
 }
 
 
+// The bf16 bits of x, rounded to nearest even (NaN payloads are not preserved).
+inline uint32_t bf16_bits_rne(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 #if defined(__AVX512BF16__)
 // ---- Decode rows over bf16 K/V with AVX512_BF16 dot products (vdpbf16ps) ------------------------
 //
@@ -395,11 +402,6 @@ void attend_decode_bf16(const int32_t* item, const c10::BFloat16* q, const c10::
 // first BLOCK_K/2 floats of its own score row.
 constexpr bool kHasBf16Dot = true;
 
-inline uint32_t bf16_bits_rne(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
 
 template <int RM>
 inline void scores_tile_bf16(const uint32_t* qp, int64_t q_stride, const uint32_t* kt2, int64_t D,
