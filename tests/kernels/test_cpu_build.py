@@ -32,3 +32,24 @@ def test_every_op_is_registered() -> None:
         "release_thread_pools",
     ):
         assert hasattr(op, name), name
+
+
+@pytest.mark.parametrize("arch", ["haswell", "skylake-avx512"])
+def test_sources_compile_for_other_cpus(arch: str) -> None:
+    """The ops are built with -march=native: check that they also compile for an AVX2-only CPU
+    and for AVX-512 without AVX512_BF16, whose code paths this machine's build leaves out."""
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    import torch.utils.cpp_extension as cpp
+
+    includes = [f"-I{p}" for p in cpp.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    src = Path(build.__file__).parent
+    for name in build.SOURCES:
+        cmd = [cxx, "-std=c++17", "-fsyntax-only", f"-march={arch}", "-fopenmp", *includes]
+        proc = subprocess.run([*cmd, str(src / name)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name} for {arch}:\n{proc.stderr[-2000:]}"
