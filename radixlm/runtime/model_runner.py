@@ -147,16 +147,15 @@ class ModelRunner:
         )
 
         lowp = self.dtype if self.compute_dtype != self.dtype else None
-        ops = "torch"
+        ops = get_layer_ops("torch")
         if self.attention_backend_name == "triton":
-            ops = "triton"
+            ops = get_layer_ops("triton")
         elif self.device.type == "cpu" and not self.enforce_eager:
             try:
-                get_layer_ops("cpu")
-                ops = "cpu"
+                ops = get_layer_ops("cpu")
             except ImportError as e:
                 logger.warning("fused CPU layer ops unavailable (%s); using the torch twins", e)
-        model.set_layer_ops(get_layer_ops(ops))
+        model.set_layer_ops(ops)
         linears = "dense"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
             pack_linears(model, lowp)
@@ -180,7 +179,7 @@ class ModelRunner:
                 self.dtype,
                 self.dtype,
             )
-        return ops, linears
+        return ops.name, linears
 
     def _num_pages(self, cc: CacheConfig) -> int:
         cfg = self.model_config

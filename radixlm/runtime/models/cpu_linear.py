@@ -99,7 +99,6 @@ class PackedLinear(nn.Module):
         w = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.dtype = w.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.weight_lowp = None if lowp is None else w.to(lowp)
