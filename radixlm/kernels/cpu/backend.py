@@ -124,6 +124,11 @@ class CpuAttentionBackend:
         # Split-KV scratch, allocated by the first layer (Hq and D are known there).
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def runs_compiled_op(self) -> bool:
+        """False where this head dim sends every call to the torch twin."""
+        return self._twin is None
+
     def partial_buffers(self, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's split-KV scratch (`[parts, Hq, D]`, `[parts, Hq]` fp32), allocated
         once per forward and shared by its layers."""

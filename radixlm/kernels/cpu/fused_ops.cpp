@@ -180,38 +180,42 @@ void check_rows(const at::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
-// y = weight * normalize(x), or with `add`: residual <- x + residual, y = weight * normalize(it).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+namespace {
+
+// y = weight * normalize(x), or with `residual`: residual <- x + residual, y = weight *
+// normalize(residual). One validation and dispatch for both ops.
+at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                         double eps, const char* name) {
   check_rows(x, "x", 2);
+  if (residual != nullptr) {
+    check_rows(*residual, "residual", 2);
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                name, ": residual must have x's shape and dtype");
+  }
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be [H], contiguous, x's dtype");
+              name, ": weight must be [H], contiguous, x's dtype");
   at::Tensor y = at::empty(x.sizes(), x.options());
-  dispatch_float(x.scalar_type(), "rms_norm", [&](auto tag) {
+  dispatch_float(x.scalar_type(), name, [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), nullptr, 0, weight.data_ptr<T>(),
-                     y.data_ptr<T>(), y.stride(0), x.size(0), x.size(1), (float)eps, false);
+    T* res = residual != nullptr ? residual->data_ptr<T>() : nullptr;
+    const int64_t rs = residual != nullptr ? residual->stride(0) : 0;
+    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), res, rs, weight.data_ptr<T>(),
+                     y.data_ptr<T>(), y.stride(0), x.size(0), x.size(1), (float)eps,
+                     residual != nullptr);
   });
   return y;
 }
 
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, nullptr, weight, eps, "rms_norm");
+}
+
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
-  check_rows(x, "x", 2);
-  check_rows(residual, "residual", 2);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "add_rms_norm: residual must have x's shape and dtype");
-  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type(),
-              "add_rms_norm: weight must be [H], contiguous, x's dtype");
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  dispatch_float(x.scalar_type(), "add_rms_norm", [&](auto tag) {
-    using T = decltype(tag);
-    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), residual.data_ptr<T>(), residual.stride(0),
-                     weight.data_ptr<T>(), y.data_ptr<T>(), y.stride(0), x.size(0), x.size(1),
-                     (float)eps, true);
-  });
-  return y;
+  return rms_norm_impl(x, &residual, weight, eps, "add_rms_norm");
 }
 
 // In place: x[t, h] <- x * cos[pos[t]] + rotate_half(x) * sin[pos[t]] for q and k (neox style),

@@ -60,7 +60,7 @@ class CpuDecoderStack:
 
         if load_op() is None:
             return "the CPU ops are unavailable"
-        if not isinstance(attn, CpuAttentionBackend) or attn._twin is not None:
+        if not isinstance(attn, CpuAttentionBackend) or not attn.runs_compiled_op:
             return "the attention backend is not the compiled CPU op"
         if model.layer_ops.name != "cpu":
             return "the layer ops are not the fused CPU ops"
