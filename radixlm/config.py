@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from radixlm.runtime.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -21,13 +23,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+            raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
-            raise ValueError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
+            raise ConfigError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+            raise ConfigError(
+                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}"
+            )
 
 
 @dataclass(frozen=True)
@@ -50,13 +54,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1")
+            raise ConfigError("max_running_requests must be >= 1")
         if self.max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
+            raise ConfigError("max_batched_tokens must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be >= 1 or None")
+            raise ConfigError("chunked_prefill_size must be >= 1 or None")
         if self.aging_tokens_per_second < 0:
-            raise ValueError("aging_tokens_per_second must be >= 0")
+            raise ConfigError("aging_tokens_per_second must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         # NOTE: grammar_backend is checked against the registry by the Engine (importing it
         # here would pull in torch).
         if not self.grammar_timeout_s > 0:
-            raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+            raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

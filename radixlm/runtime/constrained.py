@@ -63,7 +63,8 @@ class Advance:
 
 
 class GrammarStep:
-    """The grammar work of one decoding step; owned by the ``OutputProcessor`` (step thread)."""
+    """The grammar work of one decoding step; used by the executor (``mask``) and the
+    scheduler's ``TokenAppender`` (``advance``), on the step thread."""
 
     def __init__(self, manager: GrammarManager, device: torch.device) -> None:
         self.manager = manager

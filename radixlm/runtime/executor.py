@@ -2,15 +2,16 @@
 logprobs of one step; the one place where CPU and GPU differ (CUDA graphs will live here).
 
 The executor reads requests (token ids, pages, params, matchers) but changes none of them: the
-scheduler and the output processor own request state (`scheduler.update`). Its own state is the
-persistent page table (`PageTable`): a request's row is written once and then only extended,
-so a decode step does not rebuild its metadata from Python lists.
+scheduler and the output processor own request state. Its own state is the persistent page
+table (`PageTable`: a request's row is written once and then only extended, so a decode step
+does not rebuild its metadata from Python lists) and the seeded requests' generators.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,12 @@ from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.batch import ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
-from radixlm.runtime.sampler import Sampler, SamplingBatchInfo, min_tokens_suppress_ids
+from radixlm.runtime.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    make_generator,
+    min_tokens_suppress_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +138,11 @@ class Executor:
         self.sampler = Sampler(seed=seed)
         self.grammar: GrammarStep | None = None
         self.page_table = PageTable()
-        self.num_forwards = 0
+        # Seeded requests' generators: sampler state, keyed by request (weakly: a finished
+        # request's generator goes with it). The executor changes no request.
+        self._generators: weakref.WeakKeyDictionary[Request, torch.Generator] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def set_grammar(self, step: GrammarStep) -> None:
         self.grammar = step
@@ -143,7 +153,6 @@ class Executor:
             batch, self.page_table, self.runner.page_size, self.device
         )
         logits = self.runner.forward(fb)  # [R, V] float32
-        self.num_forwards += 1
         if batch.page_copies:
             src, dst = zip(*batch.page_copies)
             self.runner.kv_cache.copy_pages(list(src), list(dst))
@@ -174,6 +183,18 @@ class Executor:
             sample_seconds=time.perf_counter() - t1,
             errors=errors,
         )
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """The request's own generator when it is seeded (branch `index` seeded `seed +
+        index`), created at its first sample and advanced by each of its samples."""
+        seed = req.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req)
+        if gen is None:
+            gen = make_generator((seed + req.index) % (1 << 64), self.device)
+            self._generators[req] = gen
+        return gen
 
     def probe(self, batch: ScheduledBatch) -> None:
         """Only the forward of `batch` (no sampling, no page copies, nothing recorded): to
@@ -231,7 +252,7 @@ class Executor:
         needs_hist = any(p.needs_penalties for p in params)
         info = SamplingBatchInfo.build(
             params,
-            [r.generator for r in reqs],
+            [self._generator(r) for r in reqs],
             [r.prompt_token_set if needs_hist else () for r in reqs],
             [r.output_counts if needs_hist else () for r in reqs],
             self.vocab_size,

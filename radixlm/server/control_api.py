@@ -101,6 +101,7 @@ def get_server_info(request: Request, check_integrity: bool = False) -> Response
             "engine_alive": engine.healthy,
             "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
+            "tp_size": engine.tp_size,
         }
     )
 
