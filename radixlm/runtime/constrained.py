@@ -153,9 +153,10 @@ class GrammarStep:
             while (keyword := m.check_token(tokens[i])) is not None:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
-                logits[i, tokens[i]] = float("-inf")
-                if redraws >= _MAX_REDRAWS:
-                    self._mask_refused(m, logits[i])
+                with torch.inference_mode():  # the runner's logits are inference tensors
+                    logits[i, tokens[i]] = float("-inf")
+                    if redraws >= _MAX_REDRAWS:
+                        self._mask_refused(m, logits[i])
                 if not bool(torch.isfinite(logits[i]).any()):
                     stats.dead_ends += 1
                     req.error_code = DEAD_END

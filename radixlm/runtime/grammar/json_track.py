@@ -5,7 +5,8 @@ completes, asks ``hooks`` whether it may stand: a key (its closing quote), an ar
 (``hooks.item``, against the earlier items), any value (``hooks.value``: a string at its closing
 quote, a number at the character after it or at ``finish``, ``true`` / ``false`` / ``null`` at
 their first character (the rest is forced), an object / array at its closing bracket), and an
-open string's text so far (``hooks.string_prefix``, once per call). The first refusal names its
+open string's text so far (``hooks.string_prefix`` / ``key_prefix``, once per call), and an
+array separator (``hooks.more_items``: can another item still stand?). The first refusal names its
 keyword and leaves ``state`` as it was.
 
 The text is assumed to be a prefix of JSON (the grammar guarantees it); states are immutable,
@@ -32,6 +33,9 @@ class Hooks(Protocol):
     def child(self, nodes: Nodes, step: str | int) -> Nodes: ...
     def keeps_items(self, nodes: Nodes) -> bool: ...
     def checks_prefix(self, nodes: Nodes) -> bool: ...
+    def checks_key_prefix(self, nodes: Nodes) -> bool: ...
+    def more_items(self, nodes: Nodes, earlier: tuple[Any, ...]) -> str | None: ...
+    def key_prefix(self, nodes: Nodes, text: str) -> str | None: ...
     def key(self, nodes: Nodes, key: str) -> str | None: ...
     def item(self, nodes: Nodes, earlier: tuple[Any, ...], value: Any) -> str | None: ...
     def value(self, nodes: Nodes, span: str) -> str | None: ...
@@ -138,7 +142,8 @@ class _Scan:
             raw = self.text[sc.start + 1 :]
             prefix = _decoded_prefix(raw)
             if prefix is not None:
-                self._check(self.hooks.string_prefix(sc.nodes, prefix))
+                check = self.hooks.key_prefix if sc.key else self.hooks.string_prefix
+                self._check(check(sc.nodes, prefix))
         return self.state()
 
     def char(self, ch: str, pos: int) -> None:
@@ -167,12 +172,15 @@ class _Scan:
         if ch == ":" and top is not None:
             self.stack[-1] = replace(top, want_key=False)
         elif ch == "," and top is not None:
+            if top.array and self.hooks.keeps_items(top.nodes):
+                self._check(self.hooks.more_items(top.nodes, top.items))
             self.stack[-1] = replace(top, want_key=True, key=None)
         elif ch in "}]" and top is not None:
             self.stack.pop()
             self.complete(top.nodes, self.text[top.start : pos + 1])
         elif ch == '"' and top is not None and not top.array and top.want_key:
-            self.scalar = Scalar("string", pos, top.nodes, key=True)
+            prefix = self.hooks.checks_key_prefix(top.nodes)
+            self.scalar = Scalar("string", pos, top.nodes, key=True, prefix_check=prefix)
         else:
             self.start_value(ch, pos)
 

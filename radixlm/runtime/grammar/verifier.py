@@ -28,6 +28,7 @@ import regex
 from radixlm.runtime.grammar.disjoint import json_equal
 from radixlm.runtime.grammar.json_track import Nodes
 from radixlm.runtime.grammar.relax import VERIFY_KEY
+from radixlm.runtime.grammar.schema_facts import finite_values
 from radixlm.runtime.grammar.schema_keywords import map_subschemas, resolve_pointer
 
 _MAX_EXPAND = 64
@@ -134,6 +135,29 @@ class SchemaVerifier:
     def checks_prefix(self, nodes: Nodes) -> bool:
         return any("pattern" in n.get(VERIFY_KEY, ()) for n in nodes)
 
+    def checks_key_prefix(self, nodes: Nodes) -> bool:
+        return any(_name_pattern(n) is not None for n in nodes)
+
+    def key_prefix(self, nodes: Nodes, text: str) -> str | None:
+        for n in nodes:
+            pattern = _name_pattern(n)
+            if pattern is not None and _partial(pattern, text) is False:
+                return "propertyNames"
+        return None
+
+    def more_items(self, nodes: Nodes, earlier: tuple[Any, ...]) -> str | None:
+        """``uniqueItems`` where the next item comes from a finite set already used up."""
+        for n in nodes:
+            if n.get("uniqueItems") is not True:
+                continue
+            for c in self.child((n,), len(earlier)):
+                values = finite_values(c)
+                if values is not None and all(
+                    any(json_equal(v, e) for e in earlier) for v in values
+                ):
+                    return "uniqueItems"
+        return None
+
     def key(self, nodes: Nodes, key: str) -> str | None:
         for n in nodes:
             if "propertyNames" in n.get(VERIFY_KEY, ()) and "propertyNames" in n:
@@ -159,13 +183,27 @@ class SchemaVerifier:
 
     def string_prefix(self, nodes: Nodes, text: str) -> str | None:
         for n in nodes:
-            if "pattern" in n.get(VERIFY_KEY, ()):
-                try:
-                    if regex.search(n["pattern"], text, partial=True) is None:
-                        return "pattern"
-                except regex.error:
-                    continue  # checked on the completed string
+            if "pattern" in n.get(VERIFY_KEY, ()) and _partial(n["pattern"], text) is False:
+                return "pattern"
         return None
+
+
+def _partial(pattern: str, text: str) -> bool | None:
+    """Whether some continuation of ``text`` can match ``pattern`` (searched); None when the
+    ``regex`` package cannot read it (the completed string is checked anyway)."""
+    try:
+        return regex.search(pattern, text, partial=True) is not None
+    except regex.error:
+        return None
+
+
+def _name_pattern(n: dict[str, Any]) -> str | None:
+    """The ``pattern`` of a relaxed ``propertyNames`` schema, if any."""
+    names = n.get("propertyNames")
+    if "propertyNames" not in n.get(VERIFY_KEY, ()) or not isinstance(names, dict):
+        return None
+    pattern = names.get("pattern")
+    return pattern if isinstance(pattern, str) else None
 
 
 def _search(pattern: str, name: str) -> bool | None:
