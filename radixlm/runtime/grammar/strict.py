@@ -36,7 +36,7 @@ from radixlm.runtime.grammar.patterns import (
     regex_matches,
     regex_syntax_positions,
 )
-from radixlm.runtime.grammar.relax import Relaxed, relax_schema
+from radixlm.runtime.grammar.relax import VERIFY_KEY, Relaxed, relax_schema
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -358,6 +358,20 @@ def _relaxed(spec: str) -> Relaxed:
     if isinstance(schema, dict) and "$schema" in schema:
         schema = {**schema, "$schema": DRAFT_2020_12}
     return relax_schema(schema)
+
+
+def verified_keywords(spec: str) -> list[str]:
+    """The keywords of schema text ``spec`` that the verifier, not the grammar, enforces."""
+    found: set[str] = set()
+    stack = [_relaxed(spec).verify]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.update(node.get(VERIFY_KEY, ()))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return sorted(found)
 
 
 def verifier_schema_text(spec: str) -> str | None:
