@@ -294,6 +294,8 @@ def generate(
             params.append(SamplingParams(max_new_tokens=max_tokens, temperature=0.7, seed=i,
                                          constraint={"json_schema": text}))  # fmt: skip
         results = engine.generate(prompts, params)
+        # Per keyword of the verifier: refused samples (masked), redraws, dead ends.
+        print("verifier events:", json.dumps(engine.stats().verifier_events, sort_keys=True))
     finally:
         engine.shutdown()
     out = []
