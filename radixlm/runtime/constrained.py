@@ -7,7 +7,9 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    suppressions of those rows are folded into the mask; one batched ``apply_token_bitmask``
    sets the forbidden logits to ``-inf`` on the logits' device.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
-3. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
+3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
+   schema refuses is masked and its row resampled, until one stands or none is left.
+4. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
    grammar forces, possibly replacing the sampled token (``num_rollback``); ``must_stop`` says
    the grammar allows nothing but EOS now, so the request finishes with "stop".
 
@@ -24,7 +26,9 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -34,7 +38,25 @@ from radixlm.runtime.grammar import (
     apply_token_bitmask,
     set_bitmask_bits,
 )
+from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
+
+# Redraws of one row before every allowed token is checked at once (a dead end).
+_MAX_REDRAWS = 16
+DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
+
+
+@dataclass
+class KeywordStats:
+    """Per relaxed keyword: sampled tokens the verifier refused (each masked), redraws after
+    them, and rows left with no allowed token (the request ends with ``DEAD_END``)."""
+
+    masked: int = 0
+    resampled: int = 0
+    dead_ends: int = 0
+
+
+Redraw = Callable[[int], tuple[int, Any]]
 
 
 def take_compiled_grammar(req: Request) -> str | None:
@@ -75,6 +97,8 @@ class GrammarStep:
         self.num_jump_forward_tokens = 0
         self.num_jump_forward_rollbacks = 0  # sampled tokens replaced by a re-tokenization
         self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
+        self.verifier_stats: dict[str, KeywordStats] = {}
+        self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:
@@ -106,6 +130,61 @@ class GrammarStep:
             apply_token_bitmask(logits, bitmask, rows)
         self.seconds += time.perf_counter() - start
         return out
+
+    def verify(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        tokens: list[int],
+        logprobs: list[Any],
+        redraw: Redraw,
+    ) -> dict[int, str]:
+        """Sample, check, mask, resample: for each row whose matcher has a verifier, while
+        the exact schema refuses ``tokens[i]``, set ``logits[i, tokens[i]] = -inf`` and take
+        ``redraw(i)`` (a fresh (token, logprob) from the masked row). ``tokens`` / ``logprobs``
+        are updated in place; returns ``{row: message}`` for rows left with no token (their
+        requests get ``error_code = DEAD_END``). ``logits`` is the step's private masked copy."""
+        errors: dict[int, str] = {}
+        start = time.perf_counter()
+        for i, req in enumerate(reqs):
+            m = req.grammar
+            if not isinstance(m, VerifiedMatcher):
+                continue
+            redraws = 0
+            while (keyword := m.check_token(tokens[i])) is not None:
+                stats = self.verifier_stats.setdefault(keyword, KeywordStats())
+                stats.masked += 1
+                with torch.inference_mode():  # the runner's logits are inference tensors
+                    logits[i, tokens[i]] = float("-inf")
+                    if redraws >= _MAX_REDRAWS:
+                        self._mask_refused(m, logits[i])
+                if not bool(torch.isfinite(logits[i]).any()):
+                    stats.dead_ends += 1
+                    req.error_code = DEAD_END
+                    errors[i] = (
+                        f"the JSON schema's {keyword!r} refuses every continuation the grammar "
+                        "allows here; the output so far is a prefix of no valid instance"
+                    )
+                    break
+                tokens[i], logprobs[i] = redraw(i)
+                stats.resampled += 1
+                redraws += 1
+        elapsed = time.perf_counter() - start
+        self.verifier_seconds += elapsed
+        self.seconds += elapsed
+        return errors
+
+    def verifier_events(self) -> dict[str, dict[str, int]]:
+        """``verifier_stats`` as plain counts per keyword (a snapshot)."""
+        return {k: asdict(v) for k, v in list(self.verifier_stats.items())}
+
+    @staticmethod
+    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor) -> None:
+        """``row[t] = -inf`` for every still-allowed token the verifier refuses."""
+        allowed = torch.isfinite(row).nonzero().flatten().tolist()
+        refused = [t for t in allowed if matcher.check_token(t) is not None]
+        if refused:
+            row[torch.tensor(refused, device=row.device)] = float("-inf")
 
     @staticmethod
     def _suppress(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:

@@ -296,6 +296,7 @@ class Engine:
             num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
             last_step_tokens=s.last_step.num_tokens,
             last_step_seconds=s.last_step.step_seconds,
+            verifier_events=g.verifier_events() if g else {},
         )
 
     def snapshot(self, options: SnapshotOptions | None = None) -> EngineSnapshot:

@@ -160,15 +160,16 @@ class Executor:
         prompt_lps, prompt_tops = self._prompt_logprobs(batch, logits, lp_positions)
         rows = [sample_row[s.item] for s in batch.samples]
         reqs = [s.req for s in batch.samples]
-        errors: dict[int, str] = {}
         try:
-            token_ids, logprobs = self._sample(reqs, logits, rows)
+            token_ids, logprobs, errors = self._sample(reqs, logits, rows)
         except Exception:  # noqa: BLE001 - find the request(s) that cause it
             logger.exception("batched sampling failed; sampling each request alone")
-            token_ids, logprobs = [], []
+            token_ids, logprobs, errors = [], [], {}
             for i, req in enumerate(reqs):
                 try:
-                    [tok], [lp] = self._sample([req], logits, [rows[i]])
+                    [tok], [lp], failed = self._sample([req], logits, [rows[i]])
+                    if failed:
+                        errors[i] = failed[0]
                 except Exception as exc:  # noqa: BLE001 - this request only
                     errors[i] = f"internal error in sampling: {exc!r}"
                     tok, lp = -1, None
@@ -231,14 +232,14 @@ class Executor:
 
     def _sample(
         self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
         """One token per request from `logits[rows[i]]`: grammar masks, min-token suppression,
-        penalties, the sampler; logprobs of the raw (unmasked) model distribution."""
+        penalties, the sampler, the verifier's resampling (`GrammarStep.verify`); logprobs of
+        the raw (unmasked) model distribution; `{i: message}` for requests that must fail."""
         if not reqs:
-            return [], []
+            return [], [], {}
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
-        params = [r.params for r in reqs]
         suppress = [
             min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
         ]
@@ -249,6 +250,28 @@ class Executor:
             # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
             # output or the row gather above), read by nothing else.
             suppress = self.grammar.mask(reqs, logits, suppress)
+        tokens, lps = self._draw(reqs, logits, suppress, raw)
+        errors: dict[int, str] = {}
+        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+
+            def redraw(i: int) -> tuple[int, TokenLogprob | None]:
+                one = slice(i, i + 1)
+                row_raw = None if raw is None else raw[one]
+                [tok], [lp] = self._draw([reqs[i]], logits[one], [suppress[i]], row_raw)
+                return tok, lp
+
+            errors = self.grammar.verify(reqs, logits, tokens, lps, redraw)
+        return tokens, lps, errors
+
+    def _draw(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        suppress: list[list[int]],
+        raw: torch.Tensor | None,
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The sampler on (masked) ``logits`` ``[len(reqs), V]``; logprobs from ``raw``."""
+        params = [r.params for r in reqs]
         needs_hist = any(p.needs_penalties for p in params)
         info = SamplingBatchInfo.build(
             params,

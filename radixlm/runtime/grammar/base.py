@@ -352,7 +352,7 @@ class GrammarBackend(abc.ABC):
 
     def check_semantics(self, constraint: Constraint) -> None:
         """``validate`` without the syntax hook (``compile`` parses anyway)."""
-        from radixlm.runtime.grammar.strict import check_schema
+        from radixlm.runtime.grammar.strict import check_schema, verified_keywords
 
         if constraint.kind not in self.kinds:
             supported = ", ".join(sorted(self.kinds))
@@ -379,6 +379,13 @@ class GrammarBackend(abc.ABC):
                     )
                 except GrammarError as exc:
                     raise GrammarError(f"tool {tool.name!r} parameters: {exc}") from None
+                verified = verified_keywords(tool.parameters)
+                if verified and not constraint.best_effort:
+                    raise GrammarError(
+                        f"tool {tool.name!r} parameters: JSON schema uses keywords that only "
+                        f"the verifier enforces ({', '.join(verified)}), which tool calls do "
+                        "not run yet. Remove them, or request best-effort decoding."
+                    )
 
     def _validate_syntax(self, constraint: Constraint) -> None:  # noqa: B027 - optional hook
         """Backend hook: parse regex / EBNF cheaply, raising ``GrammarError``."""

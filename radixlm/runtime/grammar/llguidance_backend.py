@@ -49,6 +49,7 @@ from radixlm.runtime.grammar.base import (
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 from radixlm.runtime.grammar.patterns import map_patterns, positive_classes
 from radixlm.runtime.grammar.strict import LLGUIDANCE_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, TRIGGER, ToolCallsSpec, call_begin
 
@@ -272,14 +273,16 @@ class LLGuidanceBackend(GrammarBackend):
             while len(self._validated) > _MAX_VALIDATED:
                 self._validated.popitem(last=False)
 
-    def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
         self.check_semantics(constraint)
         with self._lock:
             template = self._validated.pop(constraint, None)
         if template is None:
             template = self._build(constraint)
-        return LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
+        return with_verifier(
+            LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
+        )
 
 
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")

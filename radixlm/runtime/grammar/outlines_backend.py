@@ -38,6 +38,7 @@ from radixlm.runtime.grammar.base import (
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 
@@ -264,7 +265,7 @@ class OutlinesBackend(GrammarBackend):
         except ValueError as exc:
             raise GrammarError(f"invalid regex: {exc}") from None
 
-    def compile(self, constraint: Constraint) -> OutlinesCompiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
         self.check_semantics(constraint)
         regex = self.regex(constraint)
@@ -281,4 +282,6 @@ class OutlinesBackend(GrammarBackend):
         except ValueError as exc:
             raise GrammarError(f"cannot compile {constraint.kind}: {exc}") from None
         elapsed = time.perf_counter() - start
-        return OutlinesCompiled(constraint, self.vocab, anchored, index, prefix, elapsed)
+        return with_verifier(
+            OutlinesCompiled(constraint, self.vocab, anchored, index, prefix, elapsed)
+        )

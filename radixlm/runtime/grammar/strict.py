@@ -31,10 +31,12 @@ from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
 from radixlm.runtime.grammar.patterns import (
     can_match_backslash,
+    is_lookaround_at,
     negation_problems,
     regex_matches,
     regex_syntax_positions,
 )
+from radixlm.runtime.grammar.relax import VERIFY_KEY, Relaxed, relax_schema
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
@@ -206,7 +208,7 @@ def _regex_features(pattern: str) -> set[str]:
     for i in regex_syntax_positions(pattern):
         ch = pattern[i]
         if ch == "(":
-            if pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!"):
+            if is_lookaround_at(pattern, i):
                 found.add("lookaround")
             depth += 1
         elif ch == ")":
@@ -339,7 +341,8 @@ def _metaschema_checked(spec: str) -> None:
 
 def prepared_schema_text(spec: str, lower: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
-    rewrites), then (``lower``: for backends that generate declared properties only)
+    rewrites), ``relax.relax_schema`` (the keywords the verifier checks, relaxed), then
+    (``lower``: for backends that generate declared properties only)
     ``normalize.lower_for_backends``, as compact JSON (key order kept). The result is written
     in 2020-12 keywords (``prefixItems``, numeric exclusive bounds, ...) and says so in its
     ``$schema`` (llguidance reads keywords by the declared draft). Remembered per
@@ -348,10 +351,39 @@ def prepared_schema_text(spec: str, lower: bool = True) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _prepared_schema_text(spec: str, lower: bool) -> str:
+def _relaxed(spec: str) -> Relaxed:
+    """``normalize.normalize_schema`` of schema text, in 2020-12 keywords, split by
+    ``relax.relax_schema`` into the grammar's relaxation and the verifier's exact schema."""
     schema = normalize_schema(json.loads(spec))
     if isinstance(schema, dict) and "$schema" in schema:
         schema = {**schema, "$schema": DRAFT_2020_12}
+    return relax_schema(schema)
+
+
+def verified_keywords(spec: str) -> list[str]:
+    """The keywords of schema text ``spec`` that the verifier, not the grammar, enforces."""
+    found: set[str] = set()
+    stack = [_relaxed(spec).verify]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.update(node.get(VERIFY_KEY, ()))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return sorted(found)
+
+
+def verifier_schema_text(spec: str) -> str | None:
+    """The exact, marked schema the verifier checks generated values against (``relax``), or
+    None when the grammar alone enforces schema text ``spec``."""
+    verify = _relaxed(spec).verify
+    return None if verify is None else json.dumps(verify, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=512)
+def _prepared_schema_text(spec: str, lower: bool) -> str:
+    schema = _relaxed(spec).grammar
     if lower:
         schema = lower_for_backends(schema)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
