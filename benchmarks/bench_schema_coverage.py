@@ -168,7 +168,10 @@ def _reason(message: str) -> str:
 
 
 def _worker(conn: Connection, backend_name: str) -> None:
-    from radixlm.runtime.grammar import Constraint, GrammarError, TokenVocab, get_backend
+    from radixlm.runtime.grammar.base import get_backend
+    from radixlm.runtime.grammar.constraint import Constraint
+    from radixlm.runtime.grammar.errors import GrammarError
+    from radixlm.runtime.grammar.vocab import TokenVocab
     from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(None))

@@ -84,6 +84,15 @@ class ScheduledBatch:
         return out, dropped
 
 
+@dataclass(frozen=True)
+class SampleError:
+    """Why sampling failed for one request (it fails; the others in the step do not):
+    `code` becomes its `error_code` ("internal", "grammar_dead_end", ...)."""
+
+    message: str
+    code: str = "internal"
+
+
 @dataclass
 class StepOutput:
     """What the executor computed for a `ScheduledBatch`. Failures are values: the step goes
@@ -102,7 +111,7 @@ class StepOutput:
     sample_seconds: float = 0.0
     # Per sample index: why sampling failed for that request alone (it is failed, the others
     # in the step are not); its `token_ids` entry is meaningless.
-    errors: dict[int, str] = field(default_factory=dict)
+    errors: dict[int, SampleError] = field(default_factory=dict)
     # Requests dropped from the batch because their forward fails (found by running each alone),
     # with the reason: the batch that ran is the scheduled one without them.
     dropped: list[tuple[Request, str]] = field(default_factory=list)

@@ -32,12 +32,9 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.grammar import (
-    GrammarManager,
-    GrammarTimeoutError,
-    apply_token_bitmask,
-    set_bitmask_bits,
-)
+from radixlm.runtime.batch import SampleError
+from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bits
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
@@ -57,22 +54,6 @@ class KeywordStats:
 
 
 Redraw = Callable[[int], tuple[int, Any]]
-
-
-def take_compiled_grammar(req: Request) -> str | None:
-    """If ``req``'s grammar future is done: on success give it its matcher (``req.grammar``)
-    and return None; on failure (invalid, timed out, cancelled) return the error message. A
-    pending future changes nothing (None)."""
-    fut = req.grammar_future
-    if fut is None or req.grammar is not None or not fut.done():
-        return None
-    try:
-        req.grammar = fut.result().new_matcher()
-    except Exception as exc:  # noqa: BLE001 - GrammarError, CancelledError: this request only
-        timed_out = isinstance(exc, GrammarTimeoutError)
-        req.error_code = "grammar_timeout" if timed_out else "grammar_error"
-        return str(exc) or f"grammar compilation failed: {type(exc).__name__}"
-    return None
 
 
 @dataclass(frozen=True)
@@ -138,13 +119,13 @@ class GrammarStep:
         tokens: list[int],
         logprobs: list[Any],
         redraw: Redraw,
-    ) -> dict[int, str]:
+    ) -> dict[int, SampleError]:
         """Sample, check, mask, resample: for each row whose matcher has a verifier, while
         the exact schema refuses ``tokens[i]``, set ``logits[i, tokens[i]] = -inf`` and take
         ``redraw(i)`` (a fresh (token, logprob) from the masked row). ``tokens`` / ``logprobs``
-        are updated in place; returns ``{row: message}`` for rows left with no token (their
-        requests get ``error_code = DEAD_END``). ``logits`` is the step's private masked copy."""
-        errors: dict[int, str] = {}
+        are updated in place; returns the rows left with no token (their requests fail with
+        code ``DEAD_END``). ``logits`` is the step's private masked copy."""
+        errors: dict[int, SampleError] = {}
         start = time.perf_counter()
         for i, req in enumerate(reqs):
             m = req.grammar
@@ -160,10 +141,10 @@ class GrammarStep:
                         self._mask_refused(m, logits[i])
                 if not bool(torch.isfinite(logits[i]).any()):
                     stats.dead_ends += 1
-                    req.error_code = DEAD_END
-                    errors[i] = (
+                    errors[i] = SampleError(
                         f"the JSON schema's {keyword!r} refuses every continuation the grammar "
-                        "allows here; the output so far is a prefix of no valid instance"
+                        "allows here; the output so far is a prefix of no valid instance",
+                        DEAD_END,
                     )
                     break
                 tokens[i], logprobs[i] = redraw(i)

@@ -21,7 +21,8 @@ from radixlm.runtime.cpu_threads import release_idle_teams
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import Executor
-from radixlm.runtime.grammar import GrammarManager, backend_names
+from radixlm.runtime.grammar.base import backend_names
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 from radixlm.runtime.models.model_info import context_length, load_model_info

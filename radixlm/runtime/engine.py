@@ -24,7 +24,7 @@ from radixlm.config import EngineConfig
 from radixlm.runtime.core_factory import EngineParts
 from radixlm.runtime.engine_loop import EngineLoop
 from radixlm.runtime.errors import EngineDeadError, RequestValidationError
-from radixlm.runtime.grammar import GrammarManager
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.observe import EngineSnapshot, SnapshotOptions, take_snapshot
 from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
 from radixlm.runtime.request import Request, RequestOutput

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch
-from radixlm.runtime.batch import ScheduledBatch, StepOutput
+from radixlm.runtime.batch import SampleError, ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
 from radixlm.runtime.sampler import (
@@ -171,7 +171,7 @@ class Executor:
                     if failed:
                         errors[i] = failed[0]
                 except Exception as exc:  # noqa: BLE001 - this request only
-                    errors[i] = f"internal error in sampling: {exc!r}"
+                    errors[i] = SampleError(f"internal error in sampling: {exc!r}")
                     tok, lp = -1, None
                 token_ids.append(tok)
                 logprobs.append(lp)
@@ -232,10 +232,10 @@ class Executor:
 
     def _sample(
         self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
-    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, SampleError]]:
         """One token per request from `logits[rows[i]]`: grammar masks, min-token suppression,
         penalties, the sampler, the verifier's resampling (`GrammarStep.verify`); logprobs of
-        the raw (unmasked) model distribution; `{i: message}` for requests that must fail."""
+        the raw (unmasked) model distribution; the requests that must fail."""
         if not reqs:
             return [], [], {}
         if rows != list(range(logits.shape[0])):
@@ -251,7 +251,7 @@ class Executor:
             # output or the row gather above), read by nothing else.
             suppress = self.grammar.mask(reqs, logits, suppress)
         tokens, lps = self._draw(reqs, logits, suppress, raw)
-        errors: dict[int, str] = {}
+        errors: dict[int, SampleError] = {}
         if self.grammar is not None and any(r.grammar is not None for r in reqs):
 
             def redraw(i: int) -> tuple[int, TokenLogprob | None]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from radixlm.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixlm.runtime.grammar import CompiledGrammar, GrammarMatcher
+    from radixlm.runtime.grammar.base import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -75,7 +75,7 @@ class Request:
       branch), with `grammar_future`, `sink` and `detokenizer` attached before it is queued;
       read-only afterwards;
     - sequence and page state (`SEQUENCE_FIELDS`): the scheduler package alone
-      (`radixlm/runtime/scheduler/`, plus `constrained.take_compiled_grammar`, which it calls);
+      (`radixlm/runtime/scheduler/`);
     - output state (`OUTPUT_FIELDS`): the output processor alone.
 
     The executor writes nothing (a seeded request's generator is the executor's own state).

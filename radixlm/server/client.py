@@ -197,15 +197,6 @@ class EngineClient:
 
 
 def _model_name(engine: Engine) -> str:
-    from radixlm.runtime.models.loader import DEFAULT_MODEL
-
-    name = engine.config.model
-    if name is None:
-        return DEFAULT_MODEL
-    return str(name).rstrip("/").rsplit("/", 1)[-1]
-
-
-def _model_name(engine: Engine) -> str:
     name = engine.config.model
     if name is None:
         return DEFAULT_MODEL

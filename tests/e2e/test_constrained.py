@@ -14,7 +14,9 @@ import pytest
 from constrained_cases import CHOICES, EBNF, EBNF_REGEX, NUMERIC_BOUNDS, REGEXES, SCHEMAS
 
 from radixlm import Engine, SamplingParams
-from radixlm.runtime.grammar import Constraint, GrammarManager, jump_forward
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.jump_forward import jump_forward
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.outputs import GenerateResult
 
 pytestmark = pytest.mark.slow

@@ -46,7 +46,6 @@ def verified_schemas(draw: st.DrawFn) -> dict[str, Any]:
     return schema
 
 
-
 @pytest.fixture(scope="module")
 def engine(default_model_dir: Path) -> Iterator[Engine]:
     e = Engine(str(default_model_dir), dtype="float32", num_pages=256, grammar_timeout_s=300.0)

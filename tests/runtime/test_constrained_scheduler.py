@@ -13,14 +13,10 @@ from fake_runner import EOS, VOCAB, FakeRunner, attach_core
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
-from radixlm.runtime.grammar import (
-    CompiledGrammar,
-    Constraint,
-    GrammarBackend,
-    GrammarManager,
-    TokenVocab,
-    get_backend,
-)
+from radixlm.runtime.grammar.base import CompiledGrammar, GrammarBackend, get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler, TokenAppender

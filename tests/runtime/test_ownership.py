@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(radixlm.__file__).parent
 # Names that hold a Request wherever they are used in the package.
 REQUEST_NAMES = {"req", "r", "request", "child", "parent", "branch", "b", "victim"}
 OWNERS = {
-    "sequence": ("runtime/scheduler/", "runtime/constrained.py", "runtime/request.py"),
+    "sequence": ("runtime/scheduler/", "runtime/request.py"),
     "output": ("runtime/output_processor.py", "runtime/request.py"),
 }
 MUTATORS = {"append", "extend", "clear", "pop", "insert", "remove", "update", "appendleft"}

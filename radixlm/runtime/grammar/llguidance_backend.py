@@ -36,17 +36,19 @@ import llguidance.torch as llg_torch
 import torch
 
 from radixlm.runtime.grammar.base import (
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.constraint import (
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.patterns import map_patterns, positive_classes
 from radixlm.runtime.grammar.strict import LLGUIDANCE_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.verified import with_verifier

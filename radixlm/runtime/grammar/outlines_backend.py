@@ -26,17 +26,19 @@ import outlines_core as oc
 import torch
 
 from radixlm.runtime.grammar.base import (
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
+from radixlm.runtime.grammar.constraint import (
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab

@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
 from radixlm.runtime.grammar.patterns import (
     can_match_backslash,
@@ -42,6 +42,11 @@ from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_MAPS,
     SCHEMA_VALUES,
     VALIDATION_KEYWORDS,
+)
+from radixlm.runtime.grammar.schema_text import (
+    MAX_SCHEMA_NODES,
+    SCHEMA_MAX_DEPTH,
+    check_json_shape,
 )
 
 _SCHEMA_MAPS, _SCHEMA_VALUES, _SCHEMA_LISTS = SCHEMA_MAPS, SCHEMA_VALUES, SCHEMA_LISTS
@@ -59,7 +64,7 @@ _NEEDS_TYPE = frozenset(
 # annotations, which the backends do not track.
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
              "dependentSchemas", "dependencies")  # fmt: skip
-_MAX_DEPTH = 128
+_MAX_DEPTH = SCHEMA_MAX_DEPTH
 # Keywords the backends apply while ignoring every other validation keyword beside them (but
 # those listed); measured on both backends. The normalizer distributes / filters most away.
 _ALONE: dict[str, frozenset[str]] = {
@@ -279,39 +284,6 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
     return out
 
 
-def json_shape(value: Any) -> tuple[int, int]:
-    """``(depth, nodes)`` of a parsed JSON value, computed iteratively (never by recursion, so
-    a hostile 10,000-deep document cannot overflow the stack). A scalar has depth 0."""
-    depth = nodes = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        node, d = stack.pop()
-        nodes += 1
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            continue
-        depth = max(depth, d + 1)
-        stack.extend((c, d + 1) for c in children)
-    return depth, nodes
-
-
-def check_json_shape(value: Any, what: str, max_depth: int, max_nodes: int) -> None:
-    """Raise ``GrammarError`` when ``value`` nests deeper than ``max_depth`` or has more than
-    ``max_nodes`` values (iterative: safe on any input)."""
-    depth, nodes = json_shape(value)
-    if depth > max_depth:
-        raise GrammarError(f"{what} nests {depth} levels deep; the limit is {max_depth}")
-    if nodes > max_nodes:
-        raise GrammarError(f"{what} has {nodes} values; the limit is {max_nodes}")
-
-
-# The engine's own bound on a schema (the server applies its stricter, configurable one first).
-MAX_SCHEMA_NODES = 100_000
-
-
 def check_metaschema(schema: Any) -> None:
     """Raise ``GrammarError`` unless ``schema`` is valid against its (declared or 2020-12)
     metaschema."""
@@ -414,29 +386,6 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
             f"{listed}. Remove them, or request best-effort decoding to ignore them."
         )
     return schema
-
-
-def canonical_schema(schema: Any, depth: int = 0) -> Any:
-    """The same schema with keyword keys sorted (a stable cache key). Order that means
-    something is kept: property maps (the generated key order), lists, and data values
-    (``enum``, ``const``, ``default``, ...)."""
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        return schema
-    out: dict[str, Any] = {}
-    for key in sorted(schema):
-        value = schema[key]
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
-        elif key in _SCHEMA_VALUES:
-            value = canonical_schema(value, depth + 1)
-        elif key in (*_SCHEMA_LISTS, "items") and isinstance(value, list):
-            value = [canonical_schema(v, depth + 1) for v in value]
-        elif key == "items":
-            value = canonical_schema(value, depth + 1)
-        elif key == "dependencies" and isinstance(value, dict):
-            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
-        out[key] = value
-    return out
 
 
 _COMMON = frozenset(

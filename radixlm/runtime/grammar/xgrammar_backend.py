@@ -27,18 +27,20 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from radixlm.runtime.grammar.base import (
-    CONSTRAINT_KINDS,
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.constraint import (
+    CONSTRAINT_KINDS,
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.patterns import map_patterns, regex_syntax_positions
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.verified import with_verifier

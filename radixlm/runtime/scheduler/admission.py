@@ -21,12 +21,28 @@ from dataclasses import dataclass
 
 from radixlm.config import SchedulerConfig
 from radixlm.radix import RadixCache
-from radixlm.runtime.batch import ScheduledItem
+from radixlm.runtime.batch import SampleError, ScheduledItem
+from radixlm.runtime.grammar.errors import GrammarTimeoutError
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import SchedulePolicy
 
 logger = logging.getLogger(__name__)
+
+
+def take_compiled_grammar(req: Request) -> SampleError | None:
+    """If ``req``'s grammar future is done: on success give it its matcher (``req.grammar``)
+    and return None; on failure (invalid, timed out, cancelled) return why, with the code
+    ``grammar_timeout`` or ``grammar_error``. A pending future changes nothing (None)."""
+    fut = req.grammar_future
+    if fut is None or req.grammar is not None or not fut.done():
+        return None
+    try:
+        req.grammar = fut.result().new_matcher()
+    except Exception as exc:  # noqa: BLE001 - GrammarError, CancelledError: this request only
+        code = "grammar_timeout" if isinstance(exc, GrammarTimeoutError) else "grammar_error"
+        return SampleError(str(exc) or f"grammar compilation failed: {type(exc).__name__}", code)
+    return None
 
 
 class Outcome(enum.Enum):

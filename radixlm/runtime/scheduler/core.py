@@ -38,9 +38,8 @@ from radixlm.runtime.batch import (
     StepOutput,
     StepResult,
 )
-from radixlm.runtime.constrained import take_compiled_grammar
 from radixlm.runtime.request import Request, RequestStatus
-from radixlm.runtime.scheduler.admission import Admission, Outcome
+from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
@@ -184,10 +183,10 @@ class Scheduler:
         """Give each waiting request whose grammar compiled its matcher; fail (only) those
         whose compile failed or timed out."""
         for req in [r for r in self.waiting if r.grammar_pending]:
-            error = take_compiled_grammar(req)
-            if error is not None:
+            failed = take_compiled_grammar(req)
+            if failed is not None:
                 self.waiting.remove(req)
-                self._failed += self._finish(req, "error", error=error)
+                self._failed += self._finish(req, "error", error=failed.message, code=failed.code)
 
     def _admit(self, items: list[ScheduledItem], used: int) -> None:
         """Admit waiting requests in policy order while a slot, budget and pages last."""
@@ -288,7 +287,8 @@ class Scheduler:
         for i, (slot, tok, lp) in enumerate(zip(batch.samples, out.token_ids, out.logprobs)):
             req = slot.req
             if i in out.errors:
-                finish_sequence(req, "error", now, error=out.errors[i])
+                err = out.errors[i]
+                finish_sequence(req, "error", now, error=err.message, code=err.code)
                 upd = SeqUpdate(req)
             else:
                 try:
@@ -335,12 +335,17 @@ class Scheduler:
             self.pages.release(req)
 
     def _finish(
-        self, req: Request, reason: str, error: str | None = None, cache: bool = False
+        self,
+        req: Request,
+        reason: str,
+        error: str | None = None,
+        cache: bool = False,
+        code: str | None = None,
     ) -> list[Request]:
         """End a request outside sampling (abort, error) — already out of the queues — and
         release its pages; its never-forked branches end with it. Returns them all."""
         self._release(req, cache)
-        finish_sequence(req, reason, error=error)
+        finish_sequence(req, reason, error=error, code=code)
         branches = self.forks.unforked(req)
         for b in branches:
             b.num_cached_tokens = req.num_cached_tokens

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from radixlm.runtime.grammar import GrammarMatcher, TokenVocab, allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.base import GrammarMatcher
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
 from radixlm.runtime.grammar.verified import VerifiedMatcher
+from radixlm.runtime.grammar.vocab import TokenVocab
 
 VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
 EOS = 2

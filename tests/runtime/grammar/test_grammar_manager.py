@@ -10,15 +10,11 @@ from typing import Any
 import pytest
 from grammar_helpers import EOS, VOCAB_SIZE, walk
 
-from radixlm.runtime.grammar import (
-    CompiledGrammar,
-    Constraint,
-    GrammarBackend,
-    GrammarError,
-    GrammarManager,
-    GrammarTimeoutError,
-    TokenVocab,
-)
+from radixlm.runtime.grammar.base import CompiledGrammar, GrammarBackend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError, GrammarTimeoutError
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.grammar.vocab import TokenVocab
 
 
 class SlowBackend(GrammarBackend):

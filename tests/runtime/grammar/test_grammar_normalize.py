@@ -12,8 +12,10 @@ import jsonschema
 import pytest
 from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
-from radixlm.runtime.grammar import Constraint, GrammarBackend, GrammarError, get_backend
+from radixlm.runtime.grammar.base import GrammarBackend, get_backend
+from radixlm.runtime.grammar.constraint import Constraint
 from radixlm.runtime.grammar.disjoint import DisjointChecker
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
 from radixlm.runtime.grammar.strict import (
     DRAFT_2020_12,

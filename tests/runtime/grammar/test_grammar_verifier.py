@@ -11,7 +11,9 @@ import jsonschema
 import pytest
 from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
-from radixlm.runtime.grammar import Constraint, GrammarError, get_backend
+from radixlm.runtime.grammar.base import get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
 from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
