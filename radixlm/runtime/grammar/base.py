@@ -27,7 +27,11 @@ from typing import ClassVar
 
 import torch
 
-from radixlm.runtime.grammar.bitmask import allocate_bitmask, set_bitmask_bits
+from radixlm.runtime.grammar.bitmask import (
+    allocate_bitmask,
+    fill_bitmask_tokens,
+    set_bitmask_bits,
+)
 from radixlm.runtime.grammar.constraint import Constraint, parse_choices
 from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.strict import SchemaSupport, check_schema, verified_keywords
@@ -101,6 +105,72 @@ class GrammarMatcher(abc.ABC):
             raise ValueError(
                 f"cannot roll back {num_tokens} tokens: {self.num_accepted} were accepted"
             )
+
+
+class EosMatcher(GrammarMatcher):
+    """A matcher over an engine that knows no EOS: the EOS ids, termination and the rollback of
+    an accepted EOS are handled here, once. Subclasses give the engine's own steps: ``_fill``,
+    ``_accepting``, ``_consume``, ``_rollback_consumed`` and ``_num_consumed``."""
+
+    def __init__(self, vocab: TokenVocab, terminated: bool = False) -> None:
+        super().__init__(vocab)
+        self._terminated = terminated
+        self._eos = frozenset(vocab.eos_token_ids)
+
+    @abc.abstractmethod
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """The engine's allowed tokens into ``bitmask[row]`` (EOS ids: see ``fill_bitmask``)."""
+
+    @abc.abstractmethod
+    def _accepting(self) -> bool:
+        """The engine is in a final state (EOS may come now)."""
+
+    @abc.abstractmethod
+    def _consume(self, token_id: int) -> bool:
+        """Advance the engine by a non-EOS token; False (state unchanged) when refused."""
+
+    @abc.abstractmethod
+    def _rollback_consumed(self, num_tokens: int) -> None:
+        """Undo the engine's last ``num_tokens`` consumed tokens."""
+
+    @property
+    @abc.abstractmethod
+    def _num_consumed(self) -> int:
+        """Tokens the engine consumed (EOS excluded)."""
+
+    @property
+    def num_accepted(self) -> int:
+        return self._num_consumed + self._terminated
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._terminated:
+            fill_bitmask_tokens(bitmask, row, self.vocab.eos_token_ids)
+        else:
+            self._fill(bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._terminated or not 0 <= token_id < self.vocab.vocab_size:
+            return False
+        if token_id in self._eos:
+            if not self._accepting():
+                return False
+            self._terminated = True
+            return True
+        return self._consume(token_id)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        return self._terminated or self._accepting()
+
+    def rollback(self, num_tokens: int) -> None:
+        self._check_rollback(num_tokens)
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            self._rollback_consumed(num_tokens)
 
 
 class CompiledGrammar(abc.ABC):

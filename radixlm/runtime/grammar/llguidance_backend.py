@@ -37,11 +37,10 @@ import torch
 
 from radixlm.runtime.grammar.base import (
     CompiledGrammar,
+    EosMatcher,
     GrammarBackend,
-    GrammarMatcher,
     register_backend,
 )
-from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 from radixlm.runtime.grammar.constraint import (
     MAX_JSON_WHITESPACE,
     Constraint,
@@ -123,39 +122,30 @@ class LLGuidanceCompiled(CompiledGrammar):
         return LLGuidanceMatcher(self.vocab, self._template.deep_copy())
 
 
-class LLGuidanceMatcher(GrammarMatcher):
+class LLGuidanceMatcher(EosMatcher):
     def __init__(
         self, vocab: TokenVocab, matcher: llg.LLMatcher, accepted: int = 0, terminated: bool = False
     ) -> None:
-        super().__init__(vocab)
+        super().__init__(vocab, terminated)
         self._m = matcher
         self._accepted = accepted  # tokens given to llguidance (EOS excluded)
-        self._terminated = terminated
-        self._eos = frozenset(vocab.eos_token_ids)
 
     @property
-    def num_accepted(self) -> int:
-        return self._accepted + self._terminated
+    def _num_consumed(self) -> int:
+        return self._accepted
 
     def _check(self) -> None:
         if self._m.is_error():
             raise GrammarError(f"llguidance matcher error: {self._m.get_error()}")
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._terminated:
-            fill_bitmask_tokens(bitmask, row, self.vocab.eos_token_ids)
-            return
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
         self._check()
 
-    def accept_token(self, token_id: int) -> bool:
-        if self._terminated or not 0 <= token_id < self.vocab.vocab_size:
-            return False
-        if token_id in self._eos:
-            if not self._m.is_accepting():
-                return False
-            self._terminated = True
-            return True
+    def _accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    def _consume(self, token_id: int) -> bool:
         # NOTE: unlike consume_token, a refused token leaves the matcher usable.
         if self._m.try_consume_tokens([token_id]) != 1:
             self._check()
@@ -163,21 +153,10 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._accepted += 1
         return True
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
-    def is_completed(self) -> bool:
-        return self._terminated or bool(self._m.is_accepting())
-
-    def rollback(self, num_tokens: int) -> None:
-        self._check_rollback(num_tokens)
-        if num_tokens and self._terminated:
-            self._terminated = False
-            num_tokens -= 1
-        if num_tokens:
-            if not self._m.rollback(num_tokens):
-                self._check()
-            self._accepted -= num_tokens
+    def _rollback_consumed(self, num_tokens: int) -> None:
+        if not self._m.rollback(num_tokens):
+            self._check()
+        self._accepted -= num_tokens
 
     def fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.vocab, self._m.deep_copy(), self._accepted, self._terminated)
