@@ -453,3 +453,33 @@ def test_an_exception_while_scheduling_one_request_fails_only_that_request(where
         assert "internal error while scheduling this request" in bad.error
         assert "injected" in bad.error
     assert_all_released(s)
+
+
+def test_a_fault_while_forking_fails_only_that_group(monkeypatch):
+    """Forking n > 1 branches raising (after one branch took a page): the parent and its
+    branches fail with the reason, through the step's outputs; the others run on; no leak."""
+    import radixlm.runtime.scheduler.forks as forks
+
+    rng = random.Random(21)
+    s = make(page_size=4)
+    group = req("g", prompt(rng, 10), 4, n=3)
+    other = req("o", prompt(rng, 9), 4)
+    outs: list = []
+    group.sink = outs.append
+    real = forks.make_branch
+
+    def make_branch(parent, index, init):  # type: ignore[no-untyped-def]
+        if index == 2:
+            raise RuntimeError("injected fork fault")
+        return real(parent, index, init)
+
+    monkeypatch.setattr(forks, "make_branch", make_branch)
+    s.add_request(group)
+    s.add_request(other)
+    run(s)
+    finished = sorted((o.index, o.finish_reason) for o in outs if o.finished)
+    assert finished == [(0, "error"), (1, "error"), (2, "error")]
+    assert "injected fork fault" in group.error
+    assert other.finish_reason == "length"
+    assert other.output_token_ids == reference_continuation(other.prompt_token_ids, 4)
+    assert_all_released(s)

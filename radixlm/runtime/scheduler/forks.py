@@ -52,8 +52,9 @@ class ForkPlanner:
             if parent.pending_forks == 0 or total != parent.num_prompt_tokens:
                 continue
             partial = total % ps != 0
-            for j in range(parent.pending_forks):
-                child = make_branch(parent, j + 1, self.init)
+            while parent.pending_forks:
+                child = make_branch(parent, parent.params.n - parent.pending_forks, self.init)
+                parent.pending_forks -= 1  # NOTE: per branch: a fault leaves the rest unforked
                 dst = None
                 if partial:
                     dst = self.pages.alloc_one()
@@ -68,7 +69,6 @@ class ForkPlanner:
                 running.append(child)
                 batch.forks.append((parent, child, dst))
                 batch.samples.append(SampleSlot(child, k))
-            parent.pending_forks = 0
 
     def apply(self, batch: ScheduledBatch) -> None:
         """After the forward: each forked branch shares its parent's computed prefix."""
@@ -77,8 +77,22 @@ class ForkPlanner:
             child.admitted_once = True
             child.num_cached_tokens = parent.num_cached_tokens
 
-    def unforked(self, parent: Request) -> list[Request]:
-        """The branches `parent` never forked (it finished first): they end with it."""
-        out = [make_branch(parent, k + 1, self.init) for k in range(parent.pending_forks)]
+    @staticmethod
+    def unforked(parent: Request) -> list[Request]:
+        """The branches `parent` never forked (it finished first), as bare requests that end
+        with it (nothing attached: they never run)."""
+        n = parent.params.n
+        out = [
+            Request(
+                parent.request_id,
+                parent.prompt_token_ids,
+                parent.params,
+                sink=parent.sink,
+                namespace=parent.namespace,
+                index=k,
+                arrival_time=parent.arrival_time,
+            )
+            for k in range(n - parent.pending_forks, n)
+        ]
         parent.pending_forks = 0
         return out
