@@ -51,6 +51,14 @@ class SchedulerConfig:
     # starves behind a stream of better-matching ones.
     aging_tokens_per_second: float = 256.0
     max_model_len: int | None = None
+    # Speculative decoding (SGLang's flag names): "ngram" drafts up to
+    # `speculative_num_draft_tokens` tokens per decode from the request's own tokens (prompt
+    # lookup of its last `speculative_ngram_max` .. `speculative_ngram_min` tokens) and verifies
+    # them in the same forward; None: off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -61,6 +69,16 @@ class SchedulerConfig:
             raise ConfigError("chunked_prefill_size must be >= 1 or None")
         if self.aging_tokens_per_second < 0:
             raise ConfigError("aging_tokens_per_second must be >= 0")
+        if isinstance(self.speculative_algorithm, str):  # SGLang spells it NGRAM
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ConfigError(
+                f"speculative_algorithm must be 'ngram' or None, got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ConfigError("speculative_num_draft_tokens must be >= 1")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ConfigError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,20 @@ from radixlm.runtime.request import Request, TokenLogprob
 @dataclass
 class ScheduledItem:
     req: Request
-    num_tokens: int  # new tokens computed for this request this step
+    num_tokens: int  # new tokens computed for this request this step (its draft included)
+    # Speculative decoding: draft tokens computed after the request's last token, verified
+    # by this step's sampling; they are not in `req.token_ids` unless accepted.
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens of `req.token_ids` this item computes (the rest are draft)."""
+        return self.num_tokens - len(self.draft)
+
+    @property
+    def samples(self) -> bool:
+        """It computes up to the request's last token: the request samples this step."""
+        return self.req.num_computed_tokens + self.num_known == self.req.num_tokens
 
 
 @dataclass
@@ -107,6 +120,9 @@ class StepOutput:
     # Per item index, when its request asks for top logprobs: the top (token, logprob) pairs
     # at the same positions.
     prompt_top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)
+    # Per sample index of an item with a draft: the draft tokens accepted (with their logprobs
+    # when asked), which precede `token_ids[i]` (the token sampled after them).
+    accepted: dict[int, tuple[list[int], list[TokenLogprob | None]]] = field(default_factory=dict)
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
     # Per sample index: why sampling failed for that request alone (it is failed, the others

@@ -13,7 +13,7 @@ The detokenizer therefore belongs to the sequence: it is attached here and advan
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from radixlm.runtime.batch import SeqUpdate
@@ -46,12 +46,28 @@ class TokenAppender:
                 self.tokenizer, req.prompt_token_ids, req.params
             )
 
-    def append(self, req: Request, tok: int, lp: TokenLogprob | None, now: float) -> SeqUpdate:
+    def append(
+        self,
+        req: Request,
+        tok: int,
+        lp: TokenLogprob | None,
+        now: float,
+        drafted: Iterable[tuple[int, TokenLogprob | None]] = (),
+    ) -> SeqUpdate:
         """Append the sampled `tok` (and, constrained, what the grammar forces after it) until
-        the first stop; `lp` is its logprob when the request asks for logprobs."""
+        the first stop; `lp` is its logprob when the request asks for logprobs. `drafted`:
+        accepted speculative draft tokens (with their logprobs) that precede `tok`; a stop
+        among them cuts the run there."""
         if req.grammar is None:
-            upd = SeqUpdate(req, logprobs=[lp] if lp is not None else [])
-            upd.text = self._push(req, tok, now)
+            upd = SeqUpdate(req)
+            text = []
+            for t, t_lp in (*drafted, (tok, lp)):
+                if t_lp is not None:
+                    upd.logprobs.append(t_lp)
+                text.append(self._push(req, t, now))
+                if req.is_finished:
+                    break
+            upd.text = "".join(text)
             return upd
         return self._append_constrained(req, tok, lp, now)
 

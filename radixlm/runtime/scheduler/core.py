@@ -41,6 +41,7 @@ from radixlm.runtime.batch import (
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
+from radixlm.runtime.scheduler.drafter import NgramDrafter
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import create_policy
@@ -83,6 +84,11 @@ class Scheduler:
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)
         self.forks = ForkPlanner(self.pages, appender.init_request)
+        self.drafter = (
+            NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
+            if config.speculative_algorithm == "ngram"
+            else None
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.last_step = StepStats()
@@ -90,6 +96,8 @@ class Scheduler:
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.num_forwards = 0  # model forward passes (steps whose forward ran)
+        self.num_draft_tokens = 0  # speculative draft tokens scheduled for verification
+        self.num_accepted_draft_tokens = 0  # ... and accepted
         self._failed: list[Request] = []  # finished with an error during this `schedule()`
         self._scheduling_error: str | None = None  # set by `_unschedulable` within a schedule
 
@@ -145,16 +153,17 @@ class Scheduler:
                 continue
             retractions = self.num_retractions
             try:
-                ok = self._ensure_pages(req, req.num_computed_tokens + n, items)
+                draft = self._draft(req, cfg.max_batched_tokens - used - n)
+                ok = self._ensure_pages(req, req.num_computed_tokens + n + len(draft), items)
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
                 self._unschedulable(req, items, exc)
                 ok = False
             if ok:
-                items.append(ScheduledItem(req, n))
+                items.append(ScheduledItem(req, n + len(draft), draft))
             if self.num_retractions != retractions:
                 used = sum(i.num_tokens for i in items)  # a retraction dropped an item
             elif ok:
-                used += n
+                used += n + len(draft)
         self._admit(items, used)
         if self._scheduling_error is not None:
             message, self._scheduling_error = self._scheduling_error, None
@@ -167,7 +176,7 @@ class Scheduler:
         batch = ScheduledBatch(items)
         for k, item in enumerate(items):
             req = item.req
-            if req.num_computed_tokens + item.num_tokens == req.num_tokens:
+            if item.samples:
                 batch.samples.append(SampleSlot(req, k))
         try:
             self.forks.plan(batch, self.running, self.waiting)
@@ -178,6 +187,25 @@ class Scheduler:
             self._failed += self._fail(dropped, f"internal error while forking: {exc!r}")
         batch.failed, self._failed = self._failed, []
         return batch
+
+    def _draft(self, req: Request, budget: int) -> list[int]:
+        """Speculative decoding: draft tokens to verify after a decoding request's last token
+        (none for constrained requests, or past `max_new_tokens` / the context length)."""
+        if self.drafter is None or req.num_uncomputed != 1 or req.num_output_tokens == 0:
+            return []
+        if req.grammar is not None or req.grammar_future is not None:
+            return []  # NOTE: grammar-aware drafting is not built: constrained rows never draft
+        limit = min(
+            self.config.speculative_num_draft_tokens,
+            budget,
+            req.params.max_new_tokens - req.num_output_tokens - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if limit <= 0:
+            return []
+        draft = self.drafter.propose(req, limit)
+        self.num_draft_tokens += len(draft)
+        return draft
 
     def _poll_grammars(self) -> None:
         """Give each waiting request whose grammar compiled its matcher; fail (only) those
@@ -269,6 +297,9 @@ class Scheduler:
             return result
         if not batch:
             return result
+        # Speculative decoding: only the accepted draft tokens' K/V stand; the slots of the
+        # rejected ones are overwritten later (they never count as computed, never cached).
+        accepted = {id(batch.samples[j].req): len(t) for j, (t, _) in out.accepted.items()}
         for k, item in enumerate(batch.items):
             req = item.req
             if k in out.prompt_logprobs:
@@ -276,7 +307,12 @@ class Scheduler:
                 top = out.prompt_top_logprobs.get(k)
                 result.prompt_logprobs.append(PromptLogprobs(req, positions, values, top))
             was_prefill = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += item.num_tokens
+            if item.draft:
+                n_acc = accepted.get(id(req), 0)
+                self.num_accepted_draft_tokens += n_acc
+                req.num_computed_tokens += item.num_known + n_acc
+            else:
+                req.num_computed_tokens += item.num_tokens
             if was_prefill:
                 self.total_computed_prompt_tokens += item.num_tokens
                 self.pages.cache_computed(req)  # share each computed chunk with later arrivals
@@ -291,8 +327,9 @@ class Scheduler:
                 finish_sequence(req, "error", now, error=err.message, code=err.code)
                 upd = SeqUpdate(req)
             else:
+                drafted = zip(*out.accepted[i]) if i in out.accepted else ()
                 try:
-                    upd = self.appender.append(req, tok, lp, now)
+                    upd = self.appender.append(req, tok, lp, now, drafted)
                 except Exception as exc:  # noqa: BLE001 - grammar / detokenizer: this request
                     logger.exception("request %s failed while appending", req.request_id)
                     finish_sequence(req, "error", now, error=f"internal error: {exc!r}")
