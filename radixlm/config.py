@@ -52,9 +52,10 @@ class SchedulerConfig:
     aging_tokens_per_second: float = 256.0
     max_model_len: int | None = None
     # Speculative decoding (SGLang's flag names): "ngram" drafts up to
-    # `speculative_num_draft_tokens` tokens per decode from the request's own tokens (prompt
-    # lookup of its last `speculative_ngram_max` .. `speculative_ngram_min` tokens) and verifies
-    # them in the same forward; None: off.
+    # `speculative_num_draft_tokens` tokens per decode, without a draft model: the continuation
+    # the radix tree holds after the whole sequence, else prompt lookup of its last
+    # `speculative_ngram_max` .. `speculative_ngram_min` tokens; verified in the same forward.
+    # None: off.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2

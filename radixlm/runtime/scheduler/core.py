@@ -41,7 +41,7 @@ from radixlm.runtime.batch import (
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
-from radixlm.runtime.scheduler.drafter import NgramDrafter
+from radixlm.runtime.scheduler.drafter import Drafter
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import create_policy
@@ -85,7 +85,7 @@ class Scheduler:
         self.retraction = Retraction(self.pages)
         self.forks = ForkPlanner(self.pages, appender.init_request)
         self.drafter = (
-            NgramDrafter(config.speculative_ngram_min, config.speculative_ngram_max)
+            Drafter(cache, config.speculative_ngram_min, config.speculative_ngram_max)
             if config.speculative_algorithm == "ngram"
             else None
         )

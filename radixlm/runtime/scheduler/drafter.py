@@ -1,9 +1,14 @@
-"""Draft tokens for speculative decoding, from the request's own tokens (prompt lookup).
+"""Draft tokens for speculative decoding, without a draft model. Two sources, in order:
 
-The longest recent n-gram of the sequence (n from `ngram_max` down to `ngram_min`) that occurred
-earlier in the prompt or output is looked up; the tokens that followed its latest earlier
-occurrence are the draft. Agent loops, JSON extraction and quoting chat turns repeat spans of
-their context, which is what this finds. Nothing is drafted for a sequence without a match.
+1. The radix tree: when the tree holds the request's whole sequence and more (another request
+   computed this prefix and went on: a repeated program, an agent loop replaying a step, a
+   fork's sibling), the continuation it holds is the draft (`RadixCache.continuation`).
+2. Prompt lookup: the longest recent n-gram of the sequence (n from `ngram_max` down to
+   `ngram_min`) that occurred earlier in its prompt or output; the tokens that followed its
+   latest earlier occurrence are the draft. Agent loops, JSON extraction and quoting chat turns
+   repeat spans of their context, which is what this finds.
+
+Nothing is drafted for a sequence that neither finds.
 
 Each request's n-gram index is built incrementally (only tokens appended since the last
 proposal are indexed), so a proposal costs O(new tokens x n-gram sizes), not O(context).
@@ -14,6 +19,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from radixlm.radix import RadixCache
 from radixlm.runtime.request import Request
 
 
@@ -24,14 +30,22 @@ class _Index:
     upto: int = 0  # n-grams ending at positions < upto are indexed
 
 
-class NgramDrafter:
-    def __init__(self, ngram_min: int, ngram_max: int) -> None:
+class Drafter:
+    def __init__(self, cache: RadixCache | None, ngram_min: int, ngram_max: int) -> None:
+        self.cache = cache
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._index: weakref.WeakKeyDictionary[Request, _Index] = weakref.WeakKeyDictionary()
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow `req.token_ids` (empty: no match)."""
+        if self.cache is not None:
+            held = self.cache.continuation(req.token_ids, limit, req.namespace)
+            if held:
+                return held
+        return self._lookup(req, limit)
+
+    def _lookup(self, req: Request, limit: int) -> list[int]:
         tokens = req.token_ids
         last = len(tokens)
         idx = self._index.get(req)

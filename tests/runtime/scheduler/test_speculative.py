@@ -20,18 +20,18 @@ from radixlm.runtime.executor import Executor
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler, TokenAppender
-from radixlm.runtime.scheduler.drafter import NgramDrafter
+from radixlm.runtime.scheduler.drafter import Drafter
 
 
 def test_the_drafter_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
-    d = NgramDrafter(ngram_min=1, ngram_max=3)
+    d = Drafter(None, ngram_min=1, ngram_max=3)
     r = Request("a", [5, 6, 7, 8, 9, 5, 6, 7], SamplingParams())
     assert d.propose(r, 3) == [8, 9, 5]  # "5 6 7" occurred at 0..2
     r.token_ids += [1, 2]  # "7 1 2": only the 1-gram "2" could match, and it did not occur
     assert d.propose(r, 3) == []
     r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes, latest earlier end: position 7
     assert d.propose(r, 2) == [1, 2]
-    assert NgramDrafter(2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) == []
+    assert Drafter(None, 2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) == []
 
 
 def make(speculative: bool, num_pages: int = 64, **cfg) -> Scheduler:
@@ -149,3 +149,18 @@ def test_rejection_sampling_keeps_the_target_distribution():
         total = sum(counts.values())
         for t in range(4):
             assert abs(counts[t] / total - float(p[t])) < 0.03, (t, counts, p)
+
+
+def test_a_repeated_request_drafts_its_earlier_run_from_the_radix_tree():
+    """The sum-based fake model never repeats itself, so prompt lookup finds nothing; a second
+    run of the same prompt drafts the first run's cached output and accepts it."""
+    s = make(True)
+    first = requests(3, n=1, out=40)
+    steps_first = run(s, first)
+    accepted = s.num_accepted_draft_tokens
+    again = requests(3, n=1, out=40)
+    steps_again = run(s, again)
+    assert again[0].output_token_ids == first[0].output_token_ids
+    assert s.num_accepted_draft_tokens - accepted >= 30  # 40 outputs, cached in whole pages
+    assert steps_again <= 2 + 40 // 5 + 2  # prefill, then 5 tokens per step (4 drafted)
+    assert steps_again < steps_first
