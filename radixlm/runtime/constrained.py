@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from radixlm.runtime.batch import SampleError
+from radixlm.runtime.grammar.base import GrammarMatcher
 from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bits
 from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.verified import VerifiedMatcher
@@ -88,20 +89,24 @@ class GrammarStep:
         return self._bitmask[:rows]
 
     def mask(
-        self, reqs: list[Request], logits: torch.Tensor, suppress: list[list[int]]
+        self,
+        matchers: list[GrammarMatcher | None],
+        logits: torch.Tensor,
+        suppress: list[list[int]],
     ) -> list[list[int]]:
-        """In place: ``logits[i, t] = -inf`` for every token ``t`` that the grammar of
-        ``reqs[i]`` forbids (constrained rows only; ``logits`` is ``[len(reqs), V]``).
+        """In place: ``logits[i, t] = -inf`` for every token ``t`` that ``matchers[i]`` forbids
+        (constrained rows only; ``logits`` is ``[len(matchers), V]``; a row's matcher is its
+        request's, or a fork advanced through a speculative draft's prefix).
         ``suppress[i]`` (min_new_tokens) of constrained rows go into the mask; returns the
         suppress lists left for the sampler (empty for those rows)."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return suppress
         start = time.perf_counter()
-        bitmask = self._buffer(len(reqs))
+        bitmask = self._buffer(len(matchers))
         out = list(suppress)
         for i in rows:
-            matcher = reqs[i].grammar
+            matcher = matchers[i]
             assert matcher is not None
             matcher.fill_bitmask(bitmask, i)
             if out[i]:
@@ -114,7 +119,7 @@ class GrammarStep:
 
     def verify(
         self,
-        reqs: list[Request],
+        matchers: list[GrammarMatcher | None],
         logits: torch.Tensor,
         tokens: list[int],
         logprobs: list[Any],
@@ -127,8 +132,7 @@ class GrammarStep:
         code ``DEAD_END``). ``logits`` is the step's private masked copy."""
         errors: dict[int, SampleError] = {}
         start = time.perf_counter()
-        for i, req in enumerate(reqs):
-            m = req.grammar
+        for i, m in enumerate(matchers):
             if not isinstance(m, VerifiedMatcher):
                 continue
             redraws = 0

@@ -15,6 +15,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -124,6 +125,22 @@ def build_forward_batch(
         ids, prefix, extend, table.table[torch.tensor(rows)], logits_rows, page_size, device
     )
     return fb, sample_row, lp_positions
+
+
+def row_matchers(reqs: Sequence[Request], prefixes: Sequence[list[int]]) -> list[Any]:
+    """The grammar matcher each sampling row is masked by: its request's, or for a row after a
+    speculative draft's first tokens, a fork of it advanced through them (the request's own
+    matcher is not touched). None for unconstrained rows."""
+    out: list[Any] = []
+    for req, prefix in zip(reqs, prefixes):
+        m = req.grammar
+        if m is not None and prefix:
+            m = m.fork()
+            for t in prefix:
+                if not m.accept_token(t):
+                    raise RuntimeError(f"draft token {t} is not in the grammar (drafts are walked)")
+        out.append(m)
+    return out
 
 
 class Executor:
@@ -294,15 +311,19 @@ class Executor:
             for r, p in zip(reqs, prefixes)
         ]
         raw = None
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+        constrained = self.grammar is not None and any(r.grammar is not None for r in reqs)
+        if constrained:
+            assert self.grammar is not None
+            matchers = row_matchers(reqs, prefixes)
             if any(r.grammar is not None and r.params.logprobs for r in reqs):
                 raw = logits.clone()  # [B, V] logprobs are the unmasked model's
             # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
             # output or the row gather above), read by nothing else.
-            suppress = self.grammar.mask(reqs, logits, suppress)
+            suppress = self.grammar.mask(matchers, logits, suppress)
         tokens, lps = self._draw(reqs, logits, suppress, raw, prefixes)
         errors: dict[int, SampleError] = {}
-        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+        if constrained:
+            assert self.grammar is not None
 
             def redraw(i: int) -> tuple[int, TokenLogprob | None]:
                 one = slice(i, i + 1)
@@ -312,7 +333,7 @@ class Executor:
                 )
                 return tok, lp
 
-            errors = self.grammar.verify(reqs, logits, tokens, lps, redraw)
+            errors = self.grammar.verify(matchers, logits, tokens, lps, redraw)
         return tokens, lps, errors
 
     def _draw(

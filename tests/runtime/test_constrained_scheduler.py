@@ -273,3 +273,29 @@ def test_abort_while_compiling_cancels_and_releases():
     mgr.backend.gate.set()  # type: ignore[attr-defined]
     assert not s.has_work()
     assert_released(s)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(jump_forward):
+    """A regex whose output repeats spans of the prompt: drafts (prompt lookup) are walked
+    through the grammar, verified under per-row masks (a fork of the matcher advanced through
+    the draft's prefix), and the outputs equal plain decoding's."""
+    pattern = r"(ab1|cd2|ef3){6}"
+    prompt = encode("ab1cd2ef3ab1cd2")
+    outs = []
+    for spec in (False, True):
+        mgr = manager(jump_forward)
+        extra = {"speculative_algorithm": "ngram", "speculative_ngram_min": 1} if spec else {}
+        s = make(mgr, **extra)
+        reqs = [req(mgr, str(i), prompt, pattern) for i in range(3)]
+        for r in reqs:
+            s.add_request(r)
+        run(s)
+        for r in reqs:
+            assert re.fullmatch(pattern, spell(r.output_token_ids)), spell(r.output_token_ids)
+            assert r.finish_reason == "stop" and r.error is None
+        outs.append([r.output_token_ids for r in reqs])
+        if spec and not jump_forward:
+            assert s.num_accepted_draft_tokens > 0
+        assert_released(s)
+    assert outs[0] == outs[1]

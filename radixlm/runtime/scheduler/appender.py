@@ -69,10 +69,28 @@ class TokenAppender:
                     break
             upd.text = "".join(text)
             return upd
-        return self._append_constrained(req, tok, lp, now)
+        upd = SeqUpdate(req)
+        text = []
+        for t, t_lp in drafted:  # accepted draft tokens: the matcher accepted them on a fork
+            if not req.grammar.accept_token(t):
+                raise GrammarRejectedError(f"the grammar rejected accepted draft token {t}")
+            if req.params.logprobs:
+                upd.logprobs.append(t_lp or TokenLogprob(t, 0.0))
+            # As after a sampled token: a grammar that allows only EOS now ends the sequence.
+            text.append(self._push(req, t, now, grammar_stop=req.grammar.only_eos_allowed()))
+            if req.is_finished:
+                upd.text = "".join(text)
+                return upd
+        return self._append_constrained(req, tok, lp, now, upd, text)
 
     def _append_constrained(
-        self, req: Request, tok: int, lp: TokenLogprob | None, now: float
+        self,
+        req: Request,
+        tok: int,
+        lp: TokenLogprob | None,
+        now: float,
+        upd: SeqUpdate,
+        text: list[str],
     ) -> SeqUpdate:
         assert self.grammar is not None
         growth = min(
@@ -81,8 +99,6 @@ class TokenAppender:
         adv = self.grammar.advance(req, tok, growth - 1)
         if adv is None:
             raise GrammarRejectedError(f"the grammar rejected sampled token {tok}")
-        upd = SeqUpdate(req)
-        text = []
         for k, t in enumerate(adv.token_ids):
             if req.params.logprobs:
                 sampled = lp if k == 0 and adv.sampled_kept else None

@@ -41,7 +41,7 @@ from radixlm.runtime.batch import (
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
-from radixlm.runtime.scheduler.drafter import Drafter
+from radixlm.runtime.scheduler.drafter import Drafter, grammar_prefix
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import create_policy
@@ -193,8 +193,6 @@ class Scheduler:
         (none for constrained requests, or past `max_new_tokens` / the context length)."""
         if self.drafter is None or req.num_uncomputed != 1 or req.num_output_tokens == 0:
             return []
-        if req.grammar is not None or req.grammar_future is not None:
-            return []  # NOTE: grammar-aware drafting is not built: constrained rows never draft
         limit = min(
             self.config.speculative_num_draft_tokens,
             budget,
@@ -204,6 +202,8 @@ class Scheduler:
         if limit <= 0:
             return []
         draft = self.drafter.propose(req, limit)
+        if draft and req.grammar is not None:
+            draft = grammar_prefix(req.grammar, draft)
         self.num_draft_tokens += len(draft)
         return draft
 

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from radixlm.radix import RadixCache
+from radixlm.runtime.grammar.base import GrammarMatcher
 from radixlm.runtime.request import Request
 
 
@@ -67,3 +68,13 @@ class Drafter:
 
     def _sizes(self) -> range:
         return range(self.ngram_max, self.ngram_min - 1, -1)
+
+
+def grammar_prefix(matcher: GrammarMatcher, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` that the grammar accepts after the request's output
+    (walked on a fork: the request's matcher is not touched); a draft never ends the grammar."""
+    m = matcher.fork()
+    for i, t in enumerate(draft):
+        if not m.accept_token(t) or m.is_terminated():
+            return draft[:i]
+    return draft
