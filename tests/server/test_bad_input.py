@@ -16,6 +16,8 @@ MSG = [{"role": "user", "content": "Hi"}]
 LONG = "hello " * 9000  # ~9000 tokens: past the 8192-token context
 NEAR = "hello " * 8000  # fits alone, not with 500 new tokens
 UNIQUE = {"name": "x", "schema": {"type": "array", "uniqueItems": True}}
+# Never fetched, so never enforceable: refused naming it (uniqueItems, not, ... are verified).
+EXTREF = {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}
 INVALID = {"name": "x", "schema": {"type": "objekt"}}
 
 
@@ -90,7 +92,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
      comp(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}), 400,
      "response_format.json_schema.schema"),
     ("json-schema-unsupported-keyword", "POST", C,
-     comp(response_format={"type": "json_schema", "json_schema": UNIQUE}), 400,
+     comp(response_format={"type": "json_schema", "json_schema": EXTREF}), 400,
      "response_format"),
     ("json-schema-invalid", "POST", C,
      comp(response_format={"type": "json_schema", "json_schema": INVALID}), 400,
@@ -123,7 +125,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("chat-tool-without-function", "POST", CH, chat(tools=[{"type": "function"}]), 400,
      "tools[0].function"),
     ("chat-json-schema-unsupported-keyword", "POST", CH,
-     chat(response_format={"type": "json_schema", "json_schema": UNIQUE}), 400,
+     chat(response_format={"type": "json_schema", "json_schema": EXTREF}), 400,
      "response_format"),
     ("chat-json-schema-invalid", "POST", CH,
      chat(response_format={"type": "json_schema", "json_schema": INVALID}), 400,
@@ -144,7 +146,7 @@ CASES: list[tuple[str, str, str, Any, int, str | None]] = [
     ("gen-json-schema-invalid", "POST", G, gen(json_schema="{not json"), 400,
      "sampling_params.json_schema"),
     ("gen-json-schema-unsupported-keyword", "POST", G,
-     gen(json_schema='{"type": "integer", "not": {"const": 3}}'), 400,
+     gen(json_schema=json.dumps(EXTREF["schema"])), 400,
      "sampling_params.json_schema"),
     ("gen-json-schema-not-object", "POST", G, gen(json_schema="[1]"), 400,
      "sampling_params.json_schema"),
@@ -205,9 +207,9 @@ def test_bad_request(http, server, reference, name, method, path, body, status, 
 
 
 def test_constraint_errors_name_the_problem(http, server):
-    r = http.post(CH, json=chat(response_format={"type": "json_schema", "json_schema": UNIQUE}))
+    r = http.post(CH, json=chat(response_format={"type": "json_schema", "json_schema": EXTREF}))
     msg = r.json()["error"]["message"]
-    assert r.status_code == 400 and "uniqueItems (at #)" in msg and "best-effort" in msg
+    assert r.status_code == 400 and "external reference" in msg and "best-effort" in msg
     r = http.post(CH, json=chat(response_format={"type": "json_schema", "json_schema": INVALID}))
     assert r.status_code == 400 and "invalid JSON schema at #/type" in r.json()["error"]["message"]
     r = http.post(C, json=comp(regex="(unclosed"))

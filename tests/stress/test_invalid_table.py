@@ -57,7 +57,10 @@ OPENAI_BAD: dict[str, list[Any]] = {
         {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}},
         {
             "type": "json_schema",
-            "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+            "json_schema": {
+                "name": "x",
+                "schema": {"properties": {"a": {"$ref": "https://example.com/a.json"}}},
+            },
         },
         "json",
     ],
