@@ -60,6 +60,10 @@ class SchedulerConfig:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    # No drafting in a step with this many running requests or more (vLLM's
+    # `disable_by_batch_size`): at large batches the forward is compute-bound and verifying
+    # rejected drafts costs more than it saves.
+    speculative_disable_by_batch_size: int = 16
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -78,6 +82,8 @@ class SchedulerConfig:
             )
         if self.speculative_num_draft_tokens < 1:
             raise ConfigError("speculative_num_draft_tokens must be >= 1")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ConfigError("speculative_disable_by_batch_size must be >= 1")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ConfigError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
 

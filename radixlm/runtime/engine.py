@@ -296,6 +296,7 @@ class Engine:
             num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
             last_step_tokens=s.last_step.num_tokens,
             last_step_seconds=s.last_step.step_seconds,
+            spec_drafts=s.num_drafts,
             spec_draft_tokens=s.num_draft_tokens,
             spec_accepted_tokens=s.num_accepted_draft_tokens,
             verifier_events=g.verifier_events() if g else {},

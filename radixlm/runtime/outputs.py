@@ -112,7 +112,9 @@ class EngineStats:
     num_jump_forward_tokens: int  # output tokens appended by jump-forward, without a forward
     last_step_tokens: int
     last_step_seconds: float
-    # Speculative decoding: draft tokens verified, and those accepted (acceptance rate = ratio).
+    # Speculative decoding: drafts verified, their tokens, and those accepted (acceptance rate =
+    # accepted / draft tokens; mean accepted length = accepted / drafts).
+    spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Grammar verifier (schemas beyond context-free), per keyword: {"masked", "resampled",

@@ -62,6 +62,15 @@ class EngineCollector(Collector):
                 s.cache_queried_tokens,
             ),
             "retractions": ("Requests preempted for lack of KV pages", s.num_retractions),
+            "spec_decode_num_drafts": ("Speculative drafts verified", s.spec_drafts),
+            "spec_decode_num_draft_tokens": (
+                "Speculative draft tokens verified",
+                s.spec_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens": (
+                "Speculative draft tokens accepted",
+                s.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -87,6 +96,14 @@ class EngineCollector(Collector):
             "kv_pages_cached": ("KV pages cached in the radix tree, evictable", s.kv_pages_cached),
             "kv_pages_free": ("Free KV pages", s.kv_pages_free),
             "kv_page_size": ("Tokens per KV page", s.page_size),
+            "spec_decode_acceptance_rate": (
+                "Accepted / verified speculative draft tokens (0 without drafting)",
+                s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0,
+            ),
+            "spec_decode_mean_accepted_length": (
+                "Accepted draft tokens per verified draft (0 without drafting)",
+                s.spec_accepted_tokens / s.spec_drafts if s.spec_drafts else 0.0,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)

@@ -17,7 +17,10 @@ LONG = "hello " * 9000  # ~9000 tokens: past the 8192-token context
 NEAR = "hello " * 8000  # fits alone, not with 500 new tokens
 UNIQUE = {"name": "x", "schema": {"type": "array", "uniqueItems": True}}
 # Never fetched, so never enforceable: refused naming it (uniqueItems, not, ... are verified).
-EXTREF = {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}
+EXTREF = {
+    "name": "x",
+    "schema": {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+}
 INVALID = {"name": "x", "schema": {"type": "objekt"}}
 
 

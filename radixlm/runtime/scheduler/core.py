@@ -96,6 +96,7 @@ class Scheduler:
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.num_forwards = 0  # model forward passes (steps whose forward ran)
+        self.num_drafts = 0  # speculative drafts scheduled (items verifying a draft)
         self.num_draft_tokens = 0  # speculative draft tokens scheduled for verification
         self.num_accepted_draft_tokens = 0  # ... and accepted
         self._failed: list[Request] = []  # finished with an error during this `schedule()`
@@ -193,8 +194,10 @@ class Scheduler:
         (none for constrained requests, or past `max_new_tokens` / the context length)."""
         if self.drafter is None or req.num_uncomputed != 1 or req.num_output_tokens == 0:
             return []
+        if len(self.running) >= self.config.speculative_disable_by_batch_size:
+            return []
         limit = min(
-            self.config.speculative_num_draft_tokens,
+            self.drafter.draft_length(req, self.config.speculative_num_draft_tokens),
             budget,
             req.params.max_new_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
@@ -204,7 +207,9 @@ class Scheduler:
         draft = self.drafter.propose(req, limit)
         if draft and req.grammar is not None:
             draft = grammar_prefix(req.grammar, draft)
-        self.num_draft_tokens += len(draft)
+        if draft:
+            self.num_drafts += 1
+            self.num_draft_tokens += len(draft)
         return draft
 
     def _poll_grammars(self) -> None:
@@ -310,6 +315,8 @@ class Scheduler:
             if item.draft:
                 n_acc = accepted.get(id(req), 0)
                 self.num_accepted_draft_tokens += n_acc
+                assert self.drafter is not None
+                self.drafter.record(req, len(item.draft), n_acc)
                 req.num_computed_tokens += item.num_known + n_acc
             else:
                 req.num_computed_tokens += item.num_tokens
@@ -338,6 +345,9 @@ class Scheduler:
             if req.is_finished:
                 finished.append(req)
         self.total_generated_tokens += self.appender.num_output_tokens - appended
+        for item in batch.items:
+            if item.draft and not item.req.is_finished:
+                self.pages.trim(item.req)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

@@ -29,6 +29,7 @@ class _Index:
     # n -> {n-gram: end position of its latest occurrence ending before the last token}
     ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
     upto: int = 0  # n-grams ending at positions < upto are indexed
+    accepted_len: float | None = None  # moving average of the accepted draft length
 
 
 class Drafter:
@@ -37,6 +38,21 @@ class Drafter:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self._index: weakref.WeakKeyDictionary[Request, _Index] = weakref.WeakKeyDictionary()
+
+    def draft_length(self, req: Request, most: int) -> int:
+        """Adaptive: one more than the request's recent mean accepted length (at most `most`,
+        at least 1); `most` until it has verified a draft."""
+        idx = self._index.get(req)
+        if idx is None or idx.accepted_len is None:
+            return most
+        return max(1, min(most, round(idx.accepted_len) + 1))
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens of which `accepted` stood."""
+        idx = self._index.get(req)
+        if idx is not None:
+            prev = idx.accepted_len
+            idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow `req.token_ids` (empty: no match)."""

@@ -64,6 +64,15 @@ class PageManager:
         req.page_gen += 1
         req.num_computed_tokens = 0
 
+    def trim(self, req: Request) -> None:
+        """Free the pages past those `req.token_ids` needs (a speculative draft's rejected
+        tail: private, never in the tree; their slots are written again when reached)."""
+        need = -(-req.num_tokens // self.page_size)
+        if len(req.pages) > need:
+            self.pool.decref(req.pages[need:])
+            del req.pages[need:]
+            req.page_gen += 1
+
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed full pages into the tree (and adopt the tree's copies)."""
         num_full = req.num_computed_tokens // self.page_size

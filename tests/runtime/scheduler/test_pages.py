@@ -91,3 +91,13 @@ def test_the_ref_count_check_catches_a_leaked_page():
     assert pm.try_grow(a, 6)
     with pytest.raises(AssertionError, match="ref 1 but held by 0"):
         pm.check_integrity([], [])
+
+
+def test_trim_frees_the_pages_past_the_sequence():
+    pm = make()
+    a = req(list(range(5)))
+    assert pm.try_grow(a, 13)  # room for a draft: 4 pages
+    gen = a.page_gen
+    pm.trim(a)  # 5 tokens need 2 pages
+    assert len(a.pages) == 2 and a.page_gen == gen + 1 and pm.pool.num_held == 2
+    pm.check_integrity([a], [])

@@ -164,3 +164,24 @@ def test_a_repeated_request_drafts_its_earlier_run_from_the_radix_tree():
     assert s.num_accepted_draft_tokens - accepted >= 30  # 40 outputs, cached in whole pages
     assert steps_again <= 2 + 40 // 5 + 2  # prefill, then 5 tokens per step (4 drafted)
     assert steps_again < steps_first
+
+
+def test_draft_length_adapts_and_large_batches_do_not_draft(periodic):
+    d = Drafter(None, 1, 3)
+    r = Request("a", [1, 2, 3, 1, 2], SamplingParams())
+    assert d.propose(r, 4) == [3, 1, 2] and d.draft_length(r, 4) == 4
+    d.record(r, 4, 0)
+    d.record(r, 4, 0)
+    assert d.draft_length(r, 4) == 1  # nothing accepted lately: one token
+    d.record(r, 1, 1)
+    d.record(r, 2, 2)
+    assert d.draft_length(r, 4) == 2  # mean accepted ~1.25: two tokens
+    s = make(True, speculative_disable_by_batch_size=4)
+    reqs = requests(1, n=8)
+    run(s, reqs)
+    for r in reqs:
+        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 24)
+    assert s.num_draft_tokens > 0  # drafted once fewer than 4 were left running
+    none = make(True, speculative_disable_by_batch_size=1)
+    run(none, requests(1, n=2))
+    assert none.num_draft_tokens == 0
