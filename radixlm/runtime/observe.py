@@ -78,6 +78,9 @@ class CounterSnapshot:
     cache_hit_tokens: int
     cache_queried_tokens: int
     num_forwards: int
+    spec_drafts: int = 0  # speculative decoding: drafts verified,
+    spec_draft_tokens: int = 0  # ... their tokens,
+    spec_accepted_tokens: int = 0  # ... and the tokens accepted
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,9 @@ def take_snapshot(scheduler: Scheduler, options: SnapshotOptions | None = None) 
         cache_hit_tokens=stats.hit_tokens,
         cache_queried_tokens=stats.queried_tokens,
         num_forwards=scheduler.num_forwards,
+        spec_drafts=scheduler.num_drafts,
+        spec_draft_tokens=scheduler.num_draft_tokens,
+        spec_accepted_tokens=scheduler.num_accepted_draft_tokens,
     )
     return EngineSnapshot(
         monotonic=now,

@@ -135,6 +135,10 @@ function renderCards(p) {
   text("output-tps", fmtRate(r.output_tok_per_s));
   text("computed-share", c.prompt_tokens ? fmtPct(c.computed_prompt_tokens / c.prompt_tokens) : "–");
   text("last-step", s.last_step_tokens + " tok, " + fmtMs(s.last_step_seconds));
+  text("spec-accept", c.spec_draft_tokens
+    ? fmtPct(c.spec_accepted_tokens / c.spec_draft_tokens) + ", " +
+      (c.spec_accepted_tokens / c.spec_drafts).toFixed(2) + " per draft"
+    : "– (no drafting)");
   text("ttft", fmtMs(r.ttft_p50) + " / " + fmtMs(r.ttft_p99));
   text("ttft-count", String(r.ttft_count));
   text("tpot", fmtMs(r.tpot_p50) + " / " + fmtMs(r.tpot_p99));
