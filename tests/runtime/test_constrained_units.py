@@ -77,11 +77,6 @@ class _OnlyTokens:
         fill_bitmask_tokens(bitmask, row, self.allowed)
 
 
-class _Req:
-    def __init__(self, grammar: object | None) -> None:
-        self.grammar = grammar
-
-
 def test_mask_folds_suppression_but_never_empties_a_row():
     from radixlm.runtime.constrained import GrammarStep
 
@@ -90,9 +85,9 @@ def test_mask_folds_suppression_but_never_empties_a_row():
             return allocate_bitmask(rows, 64)
 
     step = GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
-    reqs = [_Req(_OnlyTokens([2, 7])), _Req(None), _Req(_OnlyTokens([2]))]
+    matchers = [_OnlyTokens([2, 7]), None, _OnlyTokens([2])]
     logits = torch.zeros(3, 64)
-    left = step.mask(reqs, logits, [[2], [2], [2]])  # type: ignore[arg-type]
+    left = step.mask(matchers, logits, [[2], [2], [2]])  # type: ignore[arg-type]
     assert left == [[], [2], []]  # constrained rows: in the mask; the other: for the sampler
     assert torch.isfinite(logits[0]).tolist() == [t == 7 for t in range(64)]  # EOS 2 held back
     assert bool(torch.isfinite(logits[1]).all())  # unconstrained row untouched
@@ -117,7 +112,7 @@ def test_mask_works_on_inference_tensors(monkeypatch, impl):
     step = constrained.GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
     with torch.inference_mode():
         logits = torch.zeros(2, 64)
-    step.mask([_Req(_OnlyTokens([5])), _Req(None)], logits, [[], []])  # type: ignore[list-item]
+    step.mask([_OnlyTokens([5]), None], logits, [[], []])  # type: ignore[list-item]
     assert torch.isfinite(logits[0]).tolist() == [t == 5 for t in range(64)]
     assert bool(torch.isfinite(logits[1]).all())
 
