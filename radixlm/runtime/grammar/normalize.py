@@ -258,10 +258,21 @@ class _Normalizer(CaseRewrites):
             return s
         missing = [n for n in required if isinstance(n, str) and n not in props]
         extra = s.get("additionalProperties", True)
-        if not missing or "patternProperties" in s or extra is False:
+        patterns = s.get("patternProperties", {})
+        if not missing or not isinstance(patterns, dict):
             return s
-        return {**s, "properties": {**props, **{n: extra if extra is not True else {}
-                                                for n in missing}}}  # fmt: skip
+        declared = dict(props)
+        for name in missing:
+            verdicts = [regex_matches(p, name) for p in patterns]
+            if None in verdicts:  # undecided: keep the schema as it is
+                return s
+            if any(verdicts):  # the matching patterns' schemas apply to it, as they did
+                declared[name] = {}
+            elif extra is False:  # a required name that no value may have: left as it is
+                return s
+            else:  # an additional property: additionalProperties' schema applies
+                declared[name] = extra if extra is not True else {}
+        return {**s, "properties": declared}
 
     def _pattern_overlaps(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
         """A declared property's value must satisfy its own schema and that of every

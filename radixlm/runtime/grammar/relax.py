@@ -5,6 +5,9 @@ lookahead". ``relax_schema`` splits a normalized schema in two:
 
 - ``grammar``: the schema without those keywords (``uniqueItems``, ``not``, ``propertyNames``,
   ``if`` / ``then`` / ``else``, ``oneOf`` whose branches are not provably disjoint,
+  ``dependentRequired`` / ``dependentSchemas`` that normalization did not split into cases,
+  ``patternProperties`` whose patterns may overlap (one pattern, the ``anyOf`` of the schemas;
+  ``allOf`` members with overlapping patterns lose them and their ``additionalProperties``),
   ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``), each
   replaced by something that accepts more: the grammar backends compile this;
 - ``verify``: the exact schema, where every relaxed schema object carries ``VERIFY_KEY`` (the
@@ -18,6 +21,7 @@ nothing was relaxed (then ``grammar`` is the input).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +97,38 @@ class _Relaxer:
             for key in ("contains", "minContains", "maxContains"):
                 out.pop(key, None)
             done.append("contains")
+        patterns = out.get("patternProperties")
+        if (
+            isinstance(patterns, dict)
+            and len(patterns) > 1
+            and not _patterns_disjoint(list(patterns))
+        ):
+            # A name matching several patterns must satisfy each one's schema; the backends
+            # refuse overlapping patterns. One pattern for them all, its schema the anyOf.
+            union = "|".join(f"(?:{p})" for p in patterns)
+            out["patternProperties"] = {union: {"anyOf": list(patterns.values())}}
+            done.append("patternProperties")
+        members = out.get("allOf")
+        if isinstance(members, list):
+            held = [m for m in members if isinstance(m, dict) and m.get("patternProperties")]
+            names = [p for m in held for p in m["patternProperties"]]
+            names += list(out.get("patternProperties") or {})
+            if held and len(names) > 1 and not _patterns_disjoint(names):
+                # The backends intersect the members' patterns and refuse overlapping ones:
+                # each such member loses patternProperties and additionalProperties (it then
+                # allows any other property: weaker).
+                drop = ("patternProperties", "additionalProperties")
+                out["allOf"] = [
+                    {k: v for k, v in m.items() if k not in drop}
+                    if any(m is h for h in held)
+                    else m
+                    for m in members
+                ]
+                done.append("patternProperties")
+        for key in ("dependentRequired", "dependentSchemas"):  # what normalize left
+            if key in out:
+                del out[key]
+                done.append(key)
         if isinstance(out.get("pattern"), str) and has_lookaround(out["pattern"]):
             del out["pattern"]
             done.append("pattern")
@@ -122,3 +158,37 @@ class _Relaxer:
             return None
         then_case = {"allOf": [s["if"], s["then"]]} if "then" in s else s["if"]
         return [then_case, s.get("else", {})]
+
+
+_LITERAL = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-/@:,;=!~'\"<> "
+)
+
+
+def _literal_prefix(pattern: str) -> tuple[str, bool] | None:
+    """For ``^`` + literal characters (+ ``$``): the literal and whether ``$`` ends it; None
+    for any other pattern."""
+    if not pattern.startswith("^"):
+        return None
+    i = 1
+    while i < len(pattern) and pattern[i] in _LITERAL:
+        i += 1
+    if i < len(pattern) and pattern[i] in "*+?{":  # the last literal is quantified
+        i -= 1
+    literal, rest = pattern[1:i], pattern[i:]
+    return literal, rest == "$"
+
+
+def _patterns_disjoint(patterns: Iterable[str]) -> bool:
+    """Provably no name matches two of ``patterns``: each is ``^literal...`` and no two
+    literals are prefixes of one another (or two whole ``^literal$`` differ)."""
+    heads = [_literal_prefix(p) for p in patterns]
+    if any(h is None for h in heads):
+        return False
+    for i, a in enumerate(heads):
+        for b in heads[i + 1 :]:
+            assert a is not None and b is not None
+            (la, ea), (lb, eb) = a, b
+            if la == lb or (la.startswith(lb) and not eb) or (lb.startswith(la) and not ea):
+                return False
+    return True

@@ -33,6 +33,13 @@ OBJ = {"type": "object"}
 
 # name -> (schema, instances; each written in the schema's property order)
 CASES: dict[str, tuple[dict[str, Any], list[Any]]] = {
+    "required names matched by patternProperties or additional": (
+        {"type": "object", "properties": {"x": {"type": "boolean"}},
+         "patternProperties": {"^a": {"type": "integer"}}, "required": ["ab", "z"],
+         "additionalProperties": {"type": "string"}},
+        [{"ab": 1, "z": "x"}, {"ab": "1", "z": "x"}, {"ab": 1}, {"ab": 1, "z": 2},
+         {"x": True, "ab": 3, "z": ""}, {"z": "x"}],
+    ),  # fmt: skip
     "not required (one property absent)": (
         {**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
          "not": {"required": ["a", "b"]}},

@@ -199,7 +199,7 @@ LLGUIDANCE_ENFORCES = frozenset(
 # Enforced by the verifier beside the grammar (``relax`` / ``verifier``): accepted in strict mode.
 VERIFIED = frozenset(
     {"uniqueItems", "contains", "minContains", "not", "if", "propertyNames",
-     "oneOf (branches not provably disjoint)"}
+     "oneOf (branches not provably disjoint)", "dependentRequired", "dependentSchemas"}
 )  # fmt: skip
 
 

@@ -60,6 +60,43 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
         {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]},
         [("-5", None), ("20", None), ("5", "oneOf")],
     ),
+    (  # overlapping patternProperties: the grammar gets one pattern, the anyOf of the schemas
+        {
+            "type": "object",
+            "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 3}},
+            "additionalProperties": False,
+        },
+        [('{"ab":4}', None), ('{"b":"x"}', None), ('{"ab":1}', "minimum"), ('{"a":1}', None)],
+    ),
+    (  # allOf members with overlapping patterns: the members lose them (and additional*)
+        {
+            "type": "object",
+            "allOf": [
+                {"patternProperties": {"a": {"type": "number", "minimum": 10}}},
+                {"patternProperties": {"b": {"minimum": 3}}, "additionalProperties": False},
+            ],
+        },
+        [
+            ('{"ab":10}', None),
+            ('{"b":4}', None),
+            ('{"ab":5}', "minimum"),
+            ('{"c":4}', "additionalProperties"),
+        ],
+    ),
+    (  # draft 7 `dependencies`, too many triggers to split into cases: 2020-12 keywords
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "dependencies": {"a": ["b"], "b": ["c"], "c": ["d"], "d": {"required": ["e"]}},
+        },
+        [
+            ('{"a":1,"b":1,"c":1,"d":1,"e":1}', None),
+            ('{"x":1}', None),
+            ('{"a":1}', "dependentRequired"),
+            ('{"d":1,"c":1}', "required"),
+            ('{"d":1}', "required"),
+        ],
+    ),
 ]
 
 
