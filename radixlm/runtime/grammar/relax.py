@@ -28,7 +28,11 @@ from typing import Any
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import normalize_schema
 from radixlm.runtime.grammar.patterns import has_lookaround
-from radixlm.runtime.grammar.schema_keywords import map_subschemas
+from radixlm.runtime.grammar.schema_keywords import (
+    NON_ASSERTING,
+    VALIDATION_KEYWORDS,
+    map_subschemas,
+)
 
 VERIFY_KEY = "x-radixlm-verify"
 # Keywords that evaluate an instance in place: ``unevaluated*`` beside them needs annotations.
@@ -62,6 +66,9 @@ class _Relaxer:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.changed = False
+        # Unknown keys that a local ``$ref`` passes through ("#/ddd/x"): schemas may be kept
+        # there, out of ``map_subschemas``' reach; they are relaxed too.
+        self.ref_keys = _ref_segments(root) - VALIDATION_KEYWORDS - NON_ASSERTING
 
     def node(self, s: Any, depth: int) -> tuple[Any, Any]:
         if not isinstance(s, dict) or depth > _MAX_DEPTH:
@@ -74,7 +81,12 @@ class _Relaxer:
             return pair[0]
 
         grammar = map_subschemas(s, both)
+        held = [k for k, v in s.items() if k in self.ref_keys and isinstance(v, dict)]
+        for key in held:
+            grammar[key] = both(s[key])
         verify = map_subschemas(grammar, lambda g: pairs[id(g)][1] if id(g) in pairs else g)
+        for key in held:
+            verify[key] = pairs[id(grammar[key])][1]
         grammar, relaxed = self._relax(s, grammar)
         if relaxed:
             self.changed = True
@@ -108,19 +120,29 @@ class _Relaxer:
             union = "|".join(f"(?:{p})" for p in patterns)
             out["patternProperties"] = {union: {"anyOf": list(patterns.values())}}
             done.append("patternProperties")
-        members = out.get("allOf")
-        if isinstance(members, list):
+        own = list(out.get("patternProperties") or {})
+        for key in ("allOf", "anyOf", "oneOf"):
+            # The backends intersect the patterns of allOf members (and of the object with
+            # each anyOf / oneOf branch) and refuse overlapping ones: each member holding
+            # such patterns loses patternProperties and additionalProperties (it then allows
+            # any other property: weaker).
+            members = out.get(key)
+            if not isinstance(members, list):
+                continue
             held = [m for m in members if isinstance(m, dict) and m.get("patternProperties")]
-            names = [p for m in held for p in m["patternProperties"]]
-            names += list(out.get("patternProperties") or {})
-            if held and len(names) > 1 and not _patterns_disjoint(names):
-                # The backends intersect the members' patterns and refuse overlapping ones:
-                # each such member loses patternProperties and additionalProperties (it then
-                # allows any other property: weaker).
+            if key == "allOf":
+                overlap = held and not _patterns_disjoint(
+                    [*own, *(p for m in held for p in m["patternProperties"])]
+                )
+                relaxed = held if overlap else []
+            else:
+                relaxed = [m for m in held if own and not _patterns_disjoint(
+                    [*own, *m["patternProperties"]])]  # fmt: skip
+            if relaxed:
                 drop = ("patternProperties", "additionalProperties")
-                out["allOf"] = [
+                out[key] = [
                     {k: v for k, v in m.items() if k not in drop}
-                    if any(m is h for h in held)
+                    if any(m is r for r in relaxed)
                     else m
                     for m in members
                 ]
@@ -192,3 +214,19 @@ def _patterns_disjoint(patterns: Iterable[str]) -> bool:
             if la == lb or (la.startswith(lb) and not eb) or (lb.startswith(la) and not ea):
                 return False
     return True
+
+
+def _ref_segments(root: Any) -> set[str]:
+    """The path segments of every local ``$ref`` ("#/a/b") in ``root``."""
+    out: set[str] = set()
+    stack = [root]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                out.update(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out

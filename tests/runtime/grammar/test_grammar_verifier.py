@@ -83,6 +83,28 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
             ('{"c":4}', "additionalProperties"),
         ],
     ),
+    (  # anyOf branches whose patterns overlap the object's own: the branches lose them
+        {
+            "type": "object",
+            "patternProperties": {"a": {"type": "integer"}},
+            "anyOf": [
+                {"patternProperties": {"^.{1,2}$": True}, "additionalProperties": False},
+                {"patternProperties": {"^b": {"maximum": 3}}, "additionalProperties": False},
+            ],
+        },
+        [('{"ab":1}', None), ('{"bcd":2}', None), ('{"bcd":4}', "maximum"), ('{"abc":1}', "anyOf")],
+    ),
+    (  # a $ref target kept under an unknown key is relaxed too
+        {
+            "type": "object",
+            "allOf": [{"$ref": "#/ddd/npn"}, {"$ref": "#/ddd/pp"}],
+            "ddd": {
+                "npn": {"not": {"propertyNames": {"not": {"const": "a4d"}}}},
+                "pp": {"patternProperties": {"^[0-9]+$": {"type": "boolean"}}},
+            },
+        },
+        [('{"a4d":1}', None), ('{"12":true,"a4d":2}', None), ('{"x":1}', "not"), ("{}", "not")],
+    ),
     (  # draft 7 `dependencies`, too many triggers to split into cases: 2020-12 keywords
         {
             "$schema": "http://json-schema.org/draft-07/schema#",
