@@ -147,6 +147,17 @@ class _Relaxer:
                     for m in members
                 ]
                 done.append("patternProperties")
+        required, props = out.get("required"), out.get("properties", {})
+        if isinstance(required, list) and isinstance(props, dict):
+            # Names normalization could not declare (beside a ``$ref``, or matched by patterns
+            # relaxed above): declared as ``{}`` (the backends generate declared properties
+            # only). Exact with no other rule for them; weaker otherwise (verified).
+            missing = [n for n in required if isinstance(n, str) and n not in props]
+            extra = out.get("additionalProperties", True)
+            if missing and extra is not False:
+                out["properties"] = {**props, **{n: {} for n in missing}}
+                if extra not in (True, {}) or out.get("patternProperties"):
+                    done.append("required")
         for key in ("dependentRequired", "dependentSchemas"):  # what normalize left
             if key in out:
                 del out[key]

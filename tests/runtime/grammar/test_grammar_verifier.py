@@ -157,6 +157,20 @@ def test_relaxation_marks_and_removes_the_keywords() -> None:
     assert relax_schema(plain).verify is None and relax_schema(plain).grammar is plain
 
 
+def test_required_names_left_undeclared_are_declared_for_the_grammar() -> None:
+    """Names normalization did not declare (here: beside a ``$ref``) get ``{}``; weaker than
+    ``additionalProperties``' schema, so the verifier checks that object."""
+    schema = {"type": "object", "$ref": "#/$defs/d", "required": ["a"],
+              "additionalProperties": {"type": "integer"},
+              "$defs": {"d": {"uniqueItems": True}}}  # fmt: skip
+    relaxed = relax_schema(schema)
+    assert relaxed.grammar["properties"] == {"a": {}}
+    assert "required" in relaxed.verify[VERIFY_KEY]
+    verifier = SchemaVerifier(relaxed.verify)
+    assert _scan(verifier, '{"a":1}') is None
+    assert _scan(verifier, '{"a":"x"}') is not None
+
+
 def test_a_finished_document_is_checked_at_the_root() -> None:
     """Below ``anyOf`` no position is known: the root's check still refuses the document."""
     schema = {"anyOf": [{"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
