@@ -517,3 +517,14 @@ def test_draft3_only_formats_are_annotations_in_later_drafts() -> None:
     assert normalize_schema({**later, "format": "email"})["format"] == "email"
     draft3 = {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}
     assert normalize_schema({**draft3, "format": "color"})["format"] == "color"
+
+
+def test_lowering_leaves_all_of_members_open_where_the_object_bounds_names() -> None:
+    """Closing an ``allOf`` member to its declared properties would forbid names the object
+    allows (over-strict; llguidance then found ``minProperties`` unsatisfiable)."""
+    schema = {"type": "object", "patternProperties": {"^[a-d]$": True},
+              "additionalProperties": False,
+              "allOf": [{"required": ["d"], "properties": {"d": {}}}]}  # fmt: skip
+    assert lower_for_backends(schema)["allOf"] == [{"required": ["d"], "properties": {"d": {}}}]
+    alone = {"allOf": [{"properties": {"d": {}}}]}  # nothing bounds the names: closed
+    assert lower_for_backends(alone)["allOf"][0]["additionalProperties"] is False
