@@ -8,7 +8,8 @@ lookahead". ``relax_schema`` splits a normalized schema in two:
   ``dependentRequired`` / ``dependentSchemas`` that normalization did not split into cases,
   ``patternProperties`` whose patterns may overlap (one pattern, the ``anyOf`` of the schemas;
   ``allOf`` members with overlapping patterns lose them and their ``additionalProperties``),
-  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``), each
+  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``, all but
+  one of several ``pattern`` s on one string, a ``minLength`` over 64 beside a ``pattern``), each
   replaced by something that accepts more: the grammar backends compile this;
 - ``verify``: the exact schema, where every relaxed schema object carries ``VERIFY_KEY`` (the
   relaxed keywords; an unknown keyword, so validators ignore it): ``verifier.SchemaVerifier``
@@ -39,6 +40,8 @@ VERIFY_KEY = "x-radixlm-verify"
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
              "dependentSchemas", "dependencies")  # fmt: skip
 _MAX_DEPTH = 128
+# A ``minLength`` above this beside a ``pattern`` goes to the verifier (see ``_relax``).
+_MAX_MIN_LENGTH_WITH_PATTERN = 64
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,25 @@ class _Relaxer:
                 out["properties"] = {**props, **{n: {} for n in missing}}
                 if extra not in (True, {}) or out.get("patternProperties"):
                     done.append("required")
+        own_pattern = isinstance(out.get("pattern"), str)
+        members = out.get("allOf")
+        if isinstance(members, list):
+            # Several patterns on one string: llguidance intersects them and often cannot
+            # decide whether the intersection is empty. The grammar keeps one.
+            held = [m for m in members if isinstance(m, dict) and isinstance(m.get("pattern"), str)]
+            if held and own_pattern + len(held) > 1:
+                keep = None if own_pattern else held[0]
+                out["allOf"] = [
+                    {k: v for k, v in m.items() if k != "pattern"}
+                    if m is not keep and any(m is h for h in held)
+                    else m
+                    for m in members
+                ]
+                done.append("pattern")
+        bound = out.get("minLength")
+        if own_pattern and isinstance(bound, int) and bound > _MAX_MIN_LENGTH_WITH_PATTERN:
+            del out["minLength"]  # measured: llguidance cannot decide ^([a-z][0-9])+$ and 99+
+            done.append("minLength")
         for key in ("dependentRequired", "dependentSchemas"):  # what normalize left
             if key in out:
                 del out[key]

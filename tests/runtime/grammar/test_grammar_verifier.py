@@ -105,6 +105,14 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
         },
         [('{"a4d":1}', None), ('{"12":true,"a4d":2}', None), ('{"x":1}', "not"), ("{}", "not")],
     ),
+    (  # several patterns on one string: the grammar keeps one, the verifier checks the rest
+        {"type": "string", "pattern": "^[a-z]+$", "allOf": [{"pattern": "b"}, {"pattern": "c$"}]},
+        [('"abc"', None), ('"bc"', None), ('"ab"', "pattern"), ('"cb"', "pattern")],
+    ),
+    (  # a long minLength beside a pattern
+        {"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 100},
+        [('"' + "a1" * 50 + '"', None), ('"a1"', "minLength")],
+    ),
     (  # draft 7 `dependencies`, too many triggers to split into cases: 2020-12 keywords
         {
             "$schema": "http://json-schema.org/draft-07/schema#",
