@@ -115,24 +115,47 @@ _HOSTNAME = f"(?:{_label(63)}(?:[.]{_label(63)}){{0,2}}|{_label(30)}(?:[.]{_labe
 # RFC 3986 section 3 / appendix A, URI (absolute, fragment allowed): scheme ":" hier-part
 # [ "?" query ] [ "#" fragment ], hier-part = "//" authority path-abempty / path-absolute /
 # path-rootless / path-empty; authority = [ userinfo "@" ] host [ ":" port ], host = IP-literal
-# (IPv6 or IPvFuture in brackets) / IPv4address / reg-name. Exact (ASCII only: IRIs are
-# another format).
+# (IPv6 or IPvFuture in brackets) / IPv4address / reg-name. URI-reference = URI / relative-ref,
+# relative-ref = relative-part [ "?" query ] [ "#" fragment ], relative-part = "//" authority
+# path-abempty / path-absolute / path-noscheme (a first segment without ":") / path-empty.
+# Exact (ASCII only).
+#
+# RFC 3987 section 2.2, IRI / IRI-reference: the same grammar with ucschar (U+00A0-D7FF,
+# U+F900-FDCF, U+FDF0-FFEF, and U+x0000-xFFFD of planes 1-14) added to the unreserved
+# characters, and iprivate (U+E000-F8FF, planes 15-16) to the query only. A subset: the BMP
+# characters only (an IRI with an astral character is refused; the backends' regex dialects do
+# not share a way to write astral ranges).
 _UNRESERVED = "A-Za-z0-9._~"  # and "-", which each class below ends with
+_UCSCHAR = "\u00a0-\ud7ff\uf900-\ufdcf\ufdf0-\uffef"
+_IPRIVATE = "\ue000-\uf8ff"
 _SUB_DELIMS = "!$&'()*+,;="
 _PCT = f"%{_HEX}{_HEX}"
-_USERINFO = f"(?:[{_UNRESERVED}{_SUB_DELIMS}:-]|{_PCT})*"
-_IP_LITERAL = f"\\[(?:{_IPV6}|v{_HEX}+[.][{_UNRESERVED}{_SUB_DELIMS}:-]+)\\]"
-_REG_NAME = f"(?:[{_UNRESERVED}{_SUB_DELIMS}-]|{_PCT})*"
-_AUTHORITY = f"(?:{_USERINFO}@){{0,1}}(?:{_IP_LITERAL}|{_IPV4}|{_REG_NAME})(?::[0-9]*){{0,1}}"
-_PCHAR = f"(?:[{_UNRESERVED}{_SUB_DELIMS}:@-]|{_PCT})"
-_SEGMENT_NZ = f"{_PCHAR}+"
-_PATH_ABEMPTY = f"(?:/{_PCHAR}*)*"
-_HIER_PART = (
-    f"(?://{_AUTHORITY}{_PATH_ABEMPTY}|/(?:{_SEGMENT_NZ}{_PATH_ABEMPTY}){{0,1}}"
-    f"|{_SEGMENT_NZ}{_PATH_ABEMPTY}){{0,1}}"
-)
-_QUERY = f"(?:{_PCHAR}|[/?])*"
-_URI = f"[A-Za-z][A-Za-z0-9+.-]*:{_HIER_PART}(?:[?]{_QUERY}){{0,1}}(?:#{_QUERY}){{0,1}}"
+
+
+def _uri_reference(unreserved: str, private: str) -> tuple[str, str]:
+    """(absolute URI, URI-reference) patterns, unanchored, for the given unreserved set."""
+    userinfo = f"(?:[{unreserved}{_SUB_DELIMS}:-]|{_PCT})*"
+    ip_literal = f"\\[(?:{_IPV6}|[vV]{_HEX}+[.][{_UNRESERVED}{_SUB_DELIMS}:-]+)\\]"
+    reg_name = f"(?:[{unreserved}{_SUB_DELIMS}-]|{_PCT})*"
+    authority = f"(?:{userinfo}@){{0,1}}(?:{ip_literal}|{_IPV4}|{reg_name})(?::[0-9]*){{0,1}}"
+    pchar = f"(?:[{unreserved}{_SUB_DELIMS}:@-]|{_PCT})"
+    segment_nz = f"{pchar}+"
+    segment_nz_nc = f"(?:[{unreserved}{_SUB_DELIMS}@-]|{_PCT})+"
+    path_abempty = f"(?:/{pchar}*)*"
+    path_absolute = f"/(?:{segment_nz}{path_abempty}){{0,1}}"
+    hier_part = f"(?://{authority}{path_abempty}|{path_absolute}|{segment_nz}{path_abempty}){{0,1}}"
+    relative_part = (
+        f"(?://{authority}{path_abempty}|{path_absolute}|{segment_nz_nc}{path_abempty}){{0,1}}"
+    )
+    query = f"(?:{pchar}|[/?{private}])*"
+    fragment = f"(?:{pchar}|[/?])*"
+    tail = f"(?:[?]{query}){{0,1}}(?:#{fragment}){{0,1}}"
+    absolute = f"[A-Za-z][A-Za-z0-9+.-]*:{hier_part}{tail}"
+    return absolute, f"(?:{absolute}|{relative_part}{tail})"
+
+
+_URI, _URI_REFERENCE = _uri_reference(_UNRESERVED, "")
+_IRI, _IRI_REFERENCE = _uri_reference(_UNRESERVED + _UCSCHAR, _IPRIVATE)
 
 FORMAT_PATTERNS: dict[str, str] = {
     "date": f"^{_DATE}$",
@@ -144,4 +167,7 @@ FORMAT_PATTERNS: dict[str, str] = {
     "ipv6": f"^{_IPV6}$",
     "hostname": f"^{_HOSTNAME}$",
     "uri": f"^{_URI}$",
+    "uri-reference": f"^{_URI_REFERENCE}$",
+    "iri": f"^{_IRI}$",
+    "iri-reference": f"^{_IRI_REFERENCE}$",
 }

@@ -258,10 +258,21 @@ class _Normalizer(CaseRewrites):
             return s
         missing = [n for n in required if isinstance(n, str) and n not in props]
         extra = s.get("additionalProperties", True)
-        if not missing or "patternProperties" in s or extra is False:
+        patterns = s.get("patternProperties", {})
+        if not missing or not isinstance(patterns, dict):
             return s
-        return {**s, "properties": {**props, **{n: extra if extra is not True else {}
-                                                for n in missing}}}  # fmt: skip
+        declared = dict(props)
+        for name in missing:
+            verdicts = [regex_matches(p, name) for p in patterns]
+            if None in verdicts:  # undecided: keep the schema as it is
+                return s
+            if any(verdicts):  # the matching patterns' schemas apply to it, as they did
+                declared[name] = {}
+            elif extra is False:  # a required name that no value may have: left as it is
+                return s
+            else:  # an additional property: additionalProperties' schema applies
+                declared[name] = extra if extra is not True else {}
+        return {**s, "properties": declared}
 
     def _pattern_overlaps(self, s: dict[str, Any], depth: int) -> dict[str, Any]:
         """A declared property's value must satisfy its own schema and that of every
@@ -452,7 +463,7 @@ class _Normalizer(CaseRewrites):
         return s
 
 
-def lower_for_backends(schema: Any, depth: int = 0) -> Any:
+def lower_for_backends(schema: Any, depth: int = 0, close: bool = True) -> Any:
     """Make "declared properties only" explicit, then use it. Every backend generates only
     declared properties (over-strict, like OpenAI's strict mode): a schema with ``properties``
     and no ``additionalProperties`` / ``unevaluatedProperties`` gets ``additionalProperties:
@@ -460,17 +471,24 @@ def lower_for_backends(schema: Any, depth: int = 0) -> Any:
     keys). Then ``properties`` entries that are ``false`` are dropped where the property cannot
     be generated anyway (the backends cannot compile ``false``). A ``false`` entry that is also
     required makes the object unsatisfiable: it is kept (the backend then refuses the
-    schema)."""
+    schema). ``allOf`` members of an object that bounds its names itself (``properties``,
+    ``additionalProperties``) are not closed (``close``): the object's rule says which names
+    may appear, and a closed member would forbid names the object allows."""
     if not isinstance(schema, dict) or depth > _MAX_DEPTH:
         return schema
     out = map_subschemas(schema, lambda v: lower_for_backends(v, depth + 1))
+    if isinstance(schema.get("allOf"), list) and (
+        isinstance(schema.get("properties"), dict) or "additionalProperties" in schema
+    ):
+        out["allOf"] = [lower_for_backends(v, depth + 1, close=False) for v in schema["allOf"]]
     if "$ref" in out:  # annotations beside a $ref (llguidance refuses siblings of a cyclic one)
         out = {
             k: v for k, v in out.items() if k not in ANNOTATIONS or (k == "$schema" and not depth)
         }
     props = out.get("properties")
     if (
-        isinstance(props, dict)
+        close
+        and isinstance(props, dict)
         and "additionalProperties" not in out
         and "unevaluatedProperties" not in out
     ):

@@ -221,12 +221,12 @@ class CaseRewrites:
                 deps.append((name, {"required": dep} if isinstance(dep, list) else dep))
             del rest[key]
         if not deps:
-            return s
+            return self._dependencies_2020(s)
         required = rest.get("required", []) if isinstance(rest.get("required"), list) else []
         always = [(n, d) for n, d in deps if n in required]
         optional = [(n, d) for n, d in deps if n not in required]
         if len(optional) > _MAX_DEPENDENCIES:
-            return s
+            return self._dependencies_2020(s)
         cases = []
         for present in itertools.product((True, False), repeat=len(optional)):
             case = [d for _, d in always]
@@ -234,4 +234,32 @@ class CaseRewrites:
                 case += [{"required": [name]}, dep] if here else [{"properties": {name: False}}]
             cases.append(case)
         out = self._branches(rest, cases, depth)
-        return s if out is None else out
+        return self._dependencies_2020(s) if out is None else out
+
+    def _dependencies_2020(self, s: dict[str, Any]) -> dict[str, Any]:
+        """``s`` with draft 4-7 ``dependencies`` written as ``dependentRequired`` /
+        ``dependentSchemas`` (exact; the output is read as 2020-12, where ``dependencies`` is
+        no keyword), or dropped where it is not a keyword of the schema's draft (2019-09 on:
+        an annotation). ``relax`` hands the two to the verifier."""
+        if "dependencies" not in s:
+            return s
+        out = dict(s)
+        deps = out.pop("dependencies", None)
+        if not isinstance(deps, dict) or "dependencies" not in self.draft.keywords:
+            return out
+        required = dict(out.get("dependentRequired") or {})
+        schemas = dict(out.get("dependentSchemas") or {})
+        for name, dep in deps.items():
+            if isinstance(dep, list):
+                if name in required:  # both: the union of the names
+                    dep = [*required[name], *(n for n in dep if n not in required[name])]
+                required[name] = dep
+            elif name in schemas:
+                schemas[name] = {"allOf": [schemas[name], dep]}
+            else:
+                schemas[name] = dep
+        if required:
+            out["dependentRequired"] = required
+        if schemas:
+            out["dependentSchemas"] = schemas
+        return out

@@ -5,7 +5,11 @@ lookahead". ``relax_schema`` splits a normalized schema in two:
 
 - ``grammar``: the schema without those keywords (``uniqueItems``, ``not``, ``propertyNames``,
   ``if`` / ``then`` / ``else``, ``oneOf`` whose branches are not provably disjoint,
-  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``), each
+  ``dependentRequired`` / ``dependentSchemas`` that normalization did not split into cases,
+  ``patternProperties`` whose patterns may overlap (one pattern, the ``anyOf`` of the schemas;
+  ``allOf`` members with overlapping patterns lose them and their ``additionalProperties``),
+  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``, all but
+  one of several ``pattern`` s on one string, a ``minLength`` over 64 beside a ``pattern``), each
   replaced by something that accepts more: the grammar backends compile this;
 - ``verify``: the exact schema, where every relaxed schema object carries ``VERIFY_KEY`` (the
   relaxed keywords; an unknown keyword, so validators ignore it): ``verifier.SchemaVerifier``
@@ -18,19 +22,26 @@ nothing was relaxed (then ``grammar`` is the input).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import normalize_schema
 from radixlm.runtime.grammar.patterns import has_lookaround
-from radixlm.runtime.grammar.schema_keywords import map_subschemas
+from radixlm.runtime.grammar.schema_keywords import (
+    NON_ASSERTING,
+    VALIDATION_KEYWORDS,
+    map_subschemas,
+)
 
 VERIFY_KEY = "x-radixlm-verify"
 # Keywords that evaluate an instance in place: ``unevaluated*`` beside them needs annotations.
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
              "dependentSchemas", "dependencies")  # fmt: skip
 _MAX_DEPTH = 128
+# A ``minLength`` above this beside a ``pattern`` goes to the verifier (see ``_relax``).
+_MAX_MIN_LENGTH_WITH_PATTERN = 64
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,9 @@ class _Relaxer:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
         self.changed = False
+        # Unknown keys that a local ``$ref`` passes through ("#/ddd/x"): schemas may be kept
+        # there, out of ``map_subschemas``' reach; they are relaxed too.
+        self.ref_keys = _ref_segments(root) - VALIDATION_KEYWORDS - NON_ASSERTING
 
     def node(self, s: Any, depth: int) -> tuple[Any, Any]:
         if not isinstance(s, dict) or depth > _MAX_DEPTH:
@@ -70,7 +84,12 @@ class _Relaxer:
             return pair[0]
 
         grammar = map_subschemas(s, both)
+        held = [k for k, v in s.items() if k in self.ref_keys and isinstance(v, dict)]
+        for key in held:
+            grammar[key] = both(s[key])
         verify = map_subschemas(grammar, lambda g: pairs[id(g)][1] if id(g) in pairs else g)
+        for key in held:
+            verify[key] = pairs[id(grammar[key])][1]
         grammar, relaxed = self._relax(s, grammar)
         if relaxed:
             self.changed = True
@@ -93,6 +112,78 @@ class _Relaxer:
             for key in ("contains", "minContains", "maxContains"):
                 out.pop(key, None)
             done.append("contains")
+        patterns = out.get("patternProperties")
+        if (
+            isinstance(patterns, dict)
+            and len(patterns) > 1
+            and not _patterns_disjoint(list(patterns))
+        ):
+            # A name matching several patterns must satisfy each one's schema; the backends
+            # refuse overlapping patterns. One pattern for them all, its schema the anyOf.
+            union = "|".join(f"(?:{p})" for p in patterns)
+            out["patternProperties"] = {union: {"anyOf": list(patterns.values())}}
+            done.append("patternProperties")
+        own = list(out.get("patternProperties") or {})
+        for key in ("allOf", "anyOf", "oneOf"):
+            # The backends intersect the patterns of allOf members (and of the object with
+            # each anyOf / oneOf branch) and refuse overlapping ones: each member holding
+            # such patterns loses patternProperties and additionalProperties (it then allows
+            # any other property: weaker).
+            members = out.get(key)
+            if not isinstance(members, list):
+                continue
+            held = [m for m in members if isinstance(m, dict) and m.get("patternProperties")]
+            if key == "allOf":
+                overlap = held and not _patterns_disjoint(
+                    [*own, *(p for m in held for p in m["patternProperties"])]
+                )
+                relaxed = held if overlap else []
+            else:
+                relaxed = [m for m in held if own and not _patterns_disjoint(
+                    [*own, *m["patternProperties"]])]  # fmt: skip
+            if relaxed:
+                drop = ("patternProperties", "additionalProperties")
+                out[key] = [
+                    {k: v for k, v in m.items() if k not in drop}
+                    if any(m is r for r in relaxed)
+                    else m
+                    for m in members
+                ]
+                done.append("patternProperties")
+        required, props = out.get("required"), out.get("properties", {})
+        if isinstance(required, list) and isinstance(props, dict):
+            # Names normalization could not declare (beside a ``$ref``, or matched by patterns
+            # relaxed above): declared as ``{}`` (the backends generate declared properties
+            # only). Exact with no other rule for them; weaker otherwise (verified).
+            missing = [n for n in required if isinstance(n, str) and n not in props]
+            extra = out.get("additionalProperties", True)
+            if missing and extra is not False:
+                out["properties"] = {**props, **{n: {} for n in missing}}
+                if extra not in (True, {}) or out.get("patternProperties"):
+                    done.append("required")
+        own_pattern = isinstance(out.get("pattern"), str)
+        members = out.get("allOf")
+        if isinstance(members, list):
+            # Several patterns on one string: llguidance intersects them and often cannot
+            # decide whether the intersection is empty. The grammar keeps one.
+            held = [m for m in members if isinstance(m, dict) and isinstance(m.get("pattern"), str)]
+            if held and own_pattern + len(held) > 1:
+                keep = None if own_pattern else held[0]
+                out["allOf"] = [
+                    {k: v for k, v in m.items() if k != "pattern"}
+                    if m is not keep and any(m is h for h in held)
+                    else m
+                    for m in members
+                ]
+                done.append("pattern")
+        bound = out.get("minLength")
+        if own_pattern and isinstance(bound, int) and bound > _MAX_MIN_LENGTH_WITH_PATTERN:
+            del out["minLength"]  # measured: llguidance cannot decide ^([a-z][0-9])+$ and 99+
+            done.append("minLength")
+        for key in ("dependentRequired", "dependentSchemas"):  # what normalize left
+            if key in out:
+                del out[key]
+                done.append(key)
         if isinstance(out.get("pattern"), str) and has_lookaround(out["pattern"]):
             del out["pattern"]
             done.append("pattern")
@@ -122,3 +213,53 @@ class _Relaxer:
             return None
         then_case = {"allOf": [s["if"], s["then"]]} if "then" in s else s["if"]
         return [then_case, s.get("else", {})]
+
+
+_LITERAL = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-/@:,;=!~'\"<> "
+)
+
+
+def _literal_prefix(pattern: str) -> tuple[str, bool] | None:
+    """For ``^`` + literal characters (+ ``$``): the literal and whether ``$`` ends it; None
+    for any other pattern."""
+    if not pattern.startswith("^"):
+        return None
+    i = 1
+    while i < len(pattern) and pattern[i] in _LITERAL:
+        i += 1
+    if i < len(pattern) and pattern[i] in "*+?{":  # the last literal is quantified
+        i -= 1
+    literal, rest = pattern[1:i], pattern[i:]
+    return literal, rest == "$"
+
+
+def _patterns_disjoint(patterns: Iterable[str]) -> bool:
+    """Provably no name matches two of ``patterns``: each is ``^literal...`` and no two
+    literals are prefixes of one another (or two whole ``^literal$`` differ)."""
+    heads = [_literal_prefix(p) for p in patterns]
+    if any(h is None for h in heads):
+        return False
+    for i, a in enumerate(heads):
+        for b in heads[i + 1 :]:
+            assert a is not None and b is not None
+            (la, ea), (lb, eb) = a, b
+            if la == lb or (la.startswith(lb) and not eb) or (lb.startswith(la) and not ea):
+                return False
+    return True
+
+
+def _ref_segments(root: Any) -> set[str]:
+    """The path segments of every local ``$ref`` ("#/a/b") in ``root``."""
+    out: set[str] = set()
+    stack = [root]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            ref = v.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/"):
+                out.update(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/"))
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out

@@ -33,6 +33,13 @@ OBJ = {"type": "object"}
 
 # name -> (schema, instances; each written in the schema's property order)
 CASES: dict[str, tuple[dict[str, Any], list[Any]]] = {
+    "required names matched by patternProperties or additional": (
+        {"type": "object", "properties": {"x": {"type": "boolean"}},
+         "patternProperties": {"^a": {"type": "integer"}}, "required": ["ab", "z"],
+         "additionalProperties": {"type": "string"}},
+        [{"ab": 1, "z": "x"}, {"ab": "1", "z": "x"}, {"ab": 1}, {"ab": 1, "z": 2},
+         {"x": True, "ab": 3, "z": ""}, {"z": "x"}],
+    ),  # fmt: skip
     "not required (one property absent)": (
         {**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
          "not": {"required": ["a", "b"]}},
@@ -332,8 +339,8 @@ SILENT_IGNORES = [
     ("xgrammar", {"type": "integer", "multipleOf": 1.5}, "multipleOf (not an integer)", 1),
     ("outlines", {"type": "string", "pattern": "^[a-z]+$", "minLength": 3},
      "pattern (with minLength)", "ABC"),
-    ("xgrammar", {"type": "string", "allOf": [{"pattern": "^a$"}, {"pattern": "^b$"}]},
-     "allOf (with sibling keywords)", "b"),
+    ("xgrammar", {"type": "integer", "multipleOf": 3, "allOf": [{"multipleOf": 5}]},
+     "allOf (with sibling keywords)", 3),
 ]  # fmt: skip
 
 
@@ -510,3 +517,14 @@ def test_draft3_only_formats_are_annotations_in_later_drafts() -> None:
     assert normalize_schema({**later, "format": "email"})["format"] == "email"
     draft3 = {"$schema": "http://json-schema.org/draft-03/schema#", "type": "string"}
     assert normalize_schema({**draft3, "format": "color"})["format"] == "color"
+
+
+def test_lowering_leaves_all_of_members_open_where_the_object_bounds_names() -> None:
+    """Closing an ``allOf`` member to its declared properties would forbid names the object
+    allows (over-strict; llguidance then found ``minProperties`` unsatisfiable)."""
+    schema = {"type": "object", "patternProperties": {"^[a-d]$": True},
+              "additionalProperties": False,
+              "allOf": [{"required": ["d"], "properties": {"d": {}}}]}  # fmt: skip
+    assert lower_for_backends(schema)["allOf"] == [{"required": ["d"], "properties": {"d": {}}}]
+    alone = {"allOf": [{"properties": {"d": {}}}]}  # nothing bounds the names: closed
+    assert lower_for_backends(alone)["allOf"][0]["additionalProperties"] is False

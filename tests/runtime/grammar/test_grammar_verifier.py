@@ -60,6 +60,73 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
         {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]},
         [("-5", None), ("20", None), ("5", "oneOf")],
     ),
+    (  # overlapping patternProperties: the grammar gets one pattern, the anyOf of the schemas
+        {
+            "type": "object",
+            "patternProperties": {"a": {"type": "integer"}, "b": {"minimum": 3}},
+            "additionalProperties": False,
+        },
+        [('{"ab":4}', None), ('{"b":"x"}', None), ('{"ab":1}', "minimum"), ('{"a":1}', None)],
+    ),
+    (  # allOf members with overlapping patterns: the members lose them (and additional*)
+        {
+            "type": "object",
+            "allOf": [
+                {"patternProperties": {"a": {"type": "number", "minimum": 10}}},
+                {"patternProperties": {"b": {"minimum": 3}}, "additionalProperties": False},
+            ],
+        },
+        [
+            ('{"ab":10}', None),
+            ('{"b":4}', None),
+            ('{"ab":5}', "minimum"),
+            ('{"c":4}', "additionalProperties"),
+        ],
+    ),
+    (  # anyOf branches whose patterns overlap the object's own: the branches lose them
+        {
+            "type": "object",
+            "patternProperties": {"a": {"type": "integer"}},
+            "anyOf": [
+                {"patternProperties": {"^.{1,2}$": True}, "additionalProperties": False},
+                {"patternProperties": {"^b": {"maximum": 3}}, "additionalProperties": False},
+            ],
+        },
+        [('{"ab":1}', None), ('{"bcd":2}', None), ('{"bcd":4}', "maximum"), ('{"abc":1}', "anyOf")],
+    ),
+    (  # a $ref target kept under an unknown key is relaxed too
+        {
+            "type": "object",
+            "allOf": [{"$ref": "#/ddd/npn"}, {"$ref": "#/ddd/pp"}],
+            "ddd": {
+                "npn": {"not": {"propertyNames": {"not": {"const": "a4d"}}}},
+                "pp": {"patternProperties": {"^[0-9]+$": {"type": "boolean"}}},
+            },
+        },
+        [('{"a4d":1}', None), ('{"12":true,"a4d":2}', None), ('{"x":1}', "not"), ("{}", "not")],
+    ),
+    (  # several patterns on one string: the grammar keeps one, the verifier checks the rest
+        {"type": "string", "pattern": "^[a-z]+$", "allOf": [{"pattern": "b"}, {"pattern": "c$"}]},
+        [('"abc"', None), ('"bc"', None), ('"ab"', "pattern"), ('"cb"', "pattern")],
+    ),
+    (  # a long minLength beside a pattern
+        {"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 100},
+        [('"' + "a1" * 50 + '"', None), ('"a1"', "minLength")],
+    ),
+    (  # draft 7 `dependencies`, too many triggers to split into cases: 2020-12 keywords
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "object",
+            "dependencies": {"a": ["b"], "b": ["c"], "c": ["d"], "d": {"required": ["e"]}},
+        },
+        [
+            ('{"a":1,"b":1,"c":1,"d":1,"e":1}', None),
+            ('{"x":1}', None),
+            ('{"a":1}', "dependentRequired"),
+            ('{"d":1,"c":1}', "required"),
+            ('{"d":1}', "required"),
+        ],
+    ),
 ]
 
 
@@ -96,6 +163,20 @@ def test_relaxation_marks_and_removes_the_keywords() -> None:
     assert relaxed.verify["items"][VERIFY_KEY] == ["not"]
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert relax_schema(plain).verify is None and relax_schema(plain).grammar is plain
+
+
+def test_required_names_left_undeclared_are_declared_for_the_grammar() -> None:
+    """Names normalization did not declare (here: beside a ``$ref``) get ``{}``; weaker than
+    ``additionalProperties``' schema, so the verifier checks that object."""
+    schema = {"type": "object", "$ref": "#/$defs/d", "required": ["a"],
+              "additionalProperties": {"type": "integer"},
+              "$defs": {"d": {"uniqueItems": True}}}  # fmt: skip
+    relaxed = relax_schema(schema)
+    assert relaxed.grammar["properties"] == {"a": {}}
+    assert "required" in relaxed.verify[VERIFY_KEY]
+    verifier = SchemaVerifier(relaxed.verify)
+    assert _scan(verifier, '{"a":1}') is None
+    assert _scan(verifier, '{"a":"x"}') is not None
 
 
 def test_a_finished_document_is_checked_at_the_root() -> None:
