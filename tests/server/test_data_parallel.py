@@ -242,3 +242,21 @@ def test_dead_replica_stops_everything(cluster: Cluster) -> None:
     for url in [cluster.url, *cluster.worker_urls]:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/health", timeout=5)
+
+
+def test_a_missing_router_names_the_extra_that_installs_it(monkeypatch):
+    import builtins
+
+    import radixlm.server.data_parallel as dp
+
+    real_import = builtins.__import__
+
+    def no_smg(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if name == "smg":
+            raise ImportError("no smg")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(dp.shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(builtins, "__import__", no_smg)
+    with pytest.raises(RuntimeError, match=r"radixlm\[router\]"):
+        dp.router_command()
