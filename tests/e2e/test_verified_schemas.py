@@ -54,7 +54,10 @@ def engine(default_model_dir: Path) -> Iterator[Engine]:
 
 
 @settings(
-    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=6,
+    deadline=None,
+    derandomize=True,  # the same examples on every run: CI never flakes on a new draw
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(schema=verified_schemas(), seed=st.integers(min_value=0, max_value=2**16))
 def test_outputs_of_verified_schemas_validate(
@@ -67,7 +70,7 @@ def test_outputs_of_verified_schemas_validate(
     [r] = engine.generate([prompt], [params])
     assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
     if r.finish_reason == "error":  # a dead end: the exact schema refuses every continuation
-        assert r.error_code == "grammar_dead_end", r.error
+        assert r.outputs[0].error_code == "grammar_dead_end", r.error
         return
     if r.finish_reason == "stop":
         value = json.loads(r.text)
