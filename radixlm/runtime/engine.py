@@ -119,6 +119,8 @@ class Engine:
                 model_info=self.model_info,
                 matmul_dtype=cfg.matmul_dtype,
                 enforce_eager=cfg.enforce_eager,
+                quantization=cfg.quantization,
+                quantization_group_size=cfg.quantization_group_size,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -128,7 +130,14 @@ class Engine:
         )
         if cfg.node_rank != 0:
             raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
-        return TensorParallelRunner(*args, max_len, dist, num_threads=cfg.num_threads)
+        return TensorParallelRunner(
+            *args,
+            max_len,
+            dist,
+            num_threads=cfg.num_threads,
+            quantization=cfg.quantization,
+            quantization_group_size=cfg.quantization_group_size,
+        )
 
     @property
     def tp_size(self) -> int:

@@ -135,6 +135,8 @@ class WorkerArgs:
     max_model_len: int | None
     dist_config: DistributedConfig
     num_threads: int | None
+    quantization: str = "none"
+    quantization_group_size: int = 64
 
 
 def _die_with_parent() -> None:
@@ -159,6 +161,8 @@ def _build_runner(args: WorkerArgs, group: TensorParallelGroup) -> Any:
         args.attention_backend,
         args.max_model_len,
         tp=group,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
 
 
@@ -240,6 +244,8 @@ class TensorParallelRunner:
         max_model_len: int | None,
         dist_config: DistributedConfig,
         num_threads: int | None = None,
+        quantization: str = "none",
+        quantization_group_size: int = 64,
     ) -> None:
         self.dist_config = dist_config
         self.failed: str | None = None
@@ -256,6 +262,8 @@ class TensorParallelRunner:
             max_model_len,
             dist_config,
             num_threads,
+            quantization,
+            quantization_group_size,
         )
         from transformers import AutoConfig
 
