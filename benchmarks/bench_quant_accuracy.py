@@ -2,7 +2,7 @@
 transformers' own loading of the same GGUF (dequantized to float32: the converted directory).
 
     .venv/bin/python benchmarks/bench_quant_accuracy.py [--modes none,int8,int4-g64,int4-g32,gguf]
-        [--out benchmarks/results/quant_accuracy.json]
+        [--chunk 64] [--out benchmarks/results/quant_accuracy.json]
 
 - Teacher-forced mean log-likelihood of a fixed text (the Zen of Python, `this.s`) under
   transformers fp32 and under radixlm in each mode (bfloat16 activations); the perplexity ratio
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
+import io
 import json
 import math
 import os
@@ -36,7 +38,8 @@ NEW_TOKENS = 24
 
 
 def zen() -> str:
-    import this as zen_module
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
+        import this as zen_module
 
     return codecs.decode(zen_module.s, "rot13")
 
@@ -46,13 +49,19 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:  # [L, V] float32
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def radix_logits(runner, ids: list[int]) -> torch.Tensor:  # [L, V] float32
+def radix_logits(runner, ids: list[int], chunk: int) -> torch.Tensor:  # [L, V] float32
+    """Teacher-forced logits of every position, prefilled in chunks of `chunk` tokens over the
+    paged prefix (below `DEQUANT_MIN_ROWS`, the low-bit kernels; at or above, the float copy)."""
     from radixlm.kernels.forward_batch import ForwardBatch
 
     ps = runner.page_size
     pages = list(range(-(-len(ids) // ps)))
-    fb = ForwardBatch.build([ids], [0], [pages], [list(range(len(ids)))], ps, "cpu")
-    return runner.forward(fb).float()
+    out = []
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        fb = ForwardBatch.build([part], [start], [pages], [list(range(len(part)))], ps, "cpu")
+        out.append(runner.forward(fb).float())
+    return torch.cat(out)
 
 
 def mean_loglik(logits: torch.Tensor, ids: list[int]) -> float:
@@ -64,6 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="none,int8,int4-g64,int4-g32,gguf")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=64, help="prefill chunk (tokens per forward)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,12 +110,12 @@ def main() -> None:
             torch.device("cpu"),
             CacheConfig(page_size=16, num_pages=64),
             quantization=quant,
-            quantization_group_size=int(g or 64),
+            quantization_group_size=int(g or 32),
         )
-        ll = mean_loglik(radix_logits(runner, text_ids), text_ids)
+        ll = mean_loglik(radix_logits(runner, text_ids, args.chunk), text_ids)
         agree, n, diff = 0, 0, 0.0
         for plen, full, ref in seqs:
-            lg = radix_logits(runner, full)
+            lg = radix_logits(runner, full, args.chunk)
             gen = slice(plen - 1, len(full) - 1)  # the positions that chose generated tokens
             agree += (lg[gen].argmax(-1) == torch.tensor(full[plen:])).sum().item()
             n += len(full) - plen

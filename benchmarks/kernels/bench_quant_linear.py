@@ -7,7 +7,8 @@ layers, as one forward reads them).
 
 The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int8 is
 `aten._weight_int8pack_mm` (per output channel), int4 `aten._weight_int4pack_mm_for_cpu`
-(asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout. Prints
+(asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout;
+`-deq`: the runtime's large-row path (the weight dequantized for the call, then `F.linear`). Prints
 the CPU flags and the load average (a busy box's figures are not the CPU's); ms per 120 linears
 (median of `--iters`).
 """
@@ -51,9 +52,25 @@ def build(kind: str, out_f: int, in_f: int):
     lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
     if kind == "bf16":
         return PackedLinear(lin)
-    if kind == "int8":
-        return quantize_linear(lin, "int8", 0)
-    return quantize_linear(lin, "int4", int(kind.removeprefix("int4-g")))
+    base = kind.removesuffix("-deq")
+    mode, _, group = base.partition("-g")
+    return Path_(quantize_linear(lin, mode, int(group or 0)), dequantize=kind != base)
+
+
+class Path_:
+    """One of a `QuantLinear`'s two paths at any row count: the low-bit kernel, or (`dequantize`)
+    the large-row path, a float copy of the weight made for the call and `F.linear`."""
+
+    def __init__(self, q, dequantize: bool) -> None:
+        self.q, self.in_features, self.dequantize = q, q.in_features, dequantize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        q = self.q
+        if self.dequantize:
+            return F.linear(x, q.kernel.dequantize(q.qweight, q.scales))
+        return q.kernel.mm(x, q.qweight, q.scales)
 
 
 def time_ms(fn, iters: int) -> float:
@@ -71,8 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rows", default="1,8,64,512")
-    p.add_argument("--kinds", default="bf16,int8,int4-g32,int4-g64")
+    p.add_argument("--rows", default="1,8,32,64,128,512")
+    p.add_argument("--kinds", default="bf16,int8,int8-deq,int4-g32,int4-g64,int4-g32-deq")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -71,7 +71,7 @@ class ModelRunner:
         matmul_dtype: str = "auto",
         enforce_eager: bool = False,
         quantization: str = "none",
-        quantization_group_size: int = 64,
+        quantization_group_size: int = 32,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see

@@ -53,6 +53,33 @@ def test_quant_linear_matches_dequantized_reference(mode, group, dtype, rows) ->
     assert _relerr(qw.dequantize(), lin.weight) < (0.01 if mode == "int8" else 0.12)
 
 
+@pytest.mark.parametrize("n,k", [(64, 64), (16, 64), (48, 128), (480, 576), (960, 576)])
+def test_int4_cpu_unpack_inverts_the_pack(n: int, k: int) -> None:
+    """The learned layout of torch's CPU int4 pack (full blocks of 64 rows and tails)."""
+    from radixlm.runtime.quantization.kernels import unpack_int4_cpu
+
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(unpack_int4_cpu(packed, n, k).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("int4", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_inputs_take_the_dequantized_weight(mode, group, dtype) -> None:
+    from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS
+
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 96, bias=True).to(dtype)
+    q = quantize_linear(lin, mode, group)
+    x = torch.randn(DEQUANT_MIN_ROWS, 256, dtype=dtype)
+    w = q.kernel.dequantize(q.qweight, q.scales)  # [N, K]
+    qw = quantize_int8(lin.weight) if mode == "int8" else quantize_int4(lin.weight, group)
+    # the float copy is the weight the kernel multiplies by (rounded to `dtype`)
+    assert _relerr(w, qw.dequantize()) < (1e-6 if dtype == torch.float32 else 4e-3)
+    kernel = q.kernel.mm(x, q.qweight, q.scales) + q.bias
+    assert _relerr(q(x), kernel) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_quantizers_bound_the_error_by_half_a_step() -> None:
     torch.manual_seed(1)
     w = torch.randn(48, 128) * torch.rand(48, 1)
@@ -188,6 +215,24 @@ def test_quantized_stack_equals_python_layers(request, fixture: str, mode: str) 
     assert _relerr(with_stack, dense) < tol
 
 
+@pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")
+def test_prefill_past_the_row_threshold_runs_the_python_layers(tiny_llama_dir, monkeypatch) -> None:
+    """A long prefill leaves the op for the Python layers and the dequantized weights; with the
+    threshold lifted, the same forward through the op and the kernels agrees."""
+    from radixlm.runtime.quantization import modules
+
+    ids = [(i * 7919) % 40000 + 5 for i in range(modules.DEQUANT_MIN_ROWS + 12)]
+    fb = ForwardBatch.build([ids], [0], [list(range(64))], [list(range(len(ids)))], 4, "cpu")
+    r = ModelRunner(
+        tiny_llama_dir, "float32", CPU, CacheConfig(page_size=4, num_pages=64), quantization="int4"
+    )
+    assert not r.model.stack.takes(len(ids)) and r.model.stack.takes(1)
+    dequantized = r.forward(fb)
+    monkeypatch.setattr(modules, "DEQUANT_MIN_ROWS", 10**9)
+    r.model.stack.max_rows = None
+    assert _relerr(dequantized, r.forward(fb)) < 1e-5
+
+
 def test_int4_group_sizes_and_memory(tiny_llama_dir) -> None:
     dense = runner(tiny_llama_dir)
     for g in (32, 64):
@@ -231,17 +276,40 @@ def test_cli_flag_reaches_the_config() -> None:
 # ---- the default model ---------------------------------------------------------------------------
 
 
+def _zen() -> str:
+    """A fixed text nobody here wrote: the Zen of Python."""
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
+        import this
+
+    return codecs.decode(this.s, "rot13")
+
+
 @pytest.mark.slow
-def test_default_model_gguf_int8_int4_agree_with_bf16(default_model_dir) -> None:
-    """Teacher-forced logits of each mode against the bf16 model on the same ids: greedy (top-1)
-    agreement, and the weights' resident size (int4 / gguf <= 0.35x bf16)."""
+def test_default_model_modes_keep_perplexity_and_shrink_weights(default_model_dir) -> None:
+    """Teacher-forced perplexity of a fixed text in each mode against bf16 (the issue's bounds:
+    int8 within 2%, int4 within 10%), greedy agreement with bf16 on it, and the weights'
+    resident size (int4 / gguf <= 0.35x of bf16's)."""
+    from radixlm.runtime.models.loader import load_tokenizer
+
+    ids = load_tokenizer(default_model_dir)(_zen())["input_ids"]
+    fb = ForwardBatch.build([ids], [0], [list(range(64))], [list(range(len(ids)))], 4, "cpu")
+
+    def loglik(logits: torch.Tensor) -> float:
+        lp = torch.log_softmax(logits[:-1].double(), dim=-1)
+        return lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+
     base = runner(default_model_dir)
-    ref = steps(base)
-    for mode, min_agree in (("int8", 0.9), ("int4", 0.7), ("gguf", 0.7)):
-        r = runner(default_model_dir, quantization=mode, quantization_group_size=32)
+    ref = base.forward(fb)
+    for mode, ppl_bound in (("int8", 1.02), ("int4", 1.10), ("gguf", 1.10)):
+        r = runner(default_model_dir, quantization=mode)
         assert r.model.stack is not None
-        out = steps(r)
+        out = r.forward(fb)
+        ratio = float(np.exp(loglik(ref) - loglik(out)))
         agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        assert agree >= min_agree, (mode, agree)
+        assert ratio <= ppl_bound and agree >= 0.85, (mode, ratio, agree)
         if mode != "int8":
             assert r.weight_bytes <= 0.35 * base.weight_bytes, (mode, r.weight_bytes)

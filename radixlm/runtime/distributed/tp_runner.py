@@ -136,7 +136,7 @@ class WorkerArgs:
     dist_config: DistributedConfig
     num_threads: int | None
     quantization: str = "none"
-    quantization_group_size: int = 64
+    quantization_group_size: int = 32
 
 
 def _die_with_parent() -> None:
@@ -245,7 +245,7 @@ class TensorParallelRunner:
         dist_config: DistributedConfig,
         num_threads: int | None = None,
         quantization: str = "none",
-        quantization_group_size: int = 64,
+        quantization_group_size: int = 32,
     ) -> None:
         self.dist_config = dist_config
         self.failed: str | None = None

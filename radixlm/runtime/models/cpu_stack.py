@@ -16,6 +16,7 @@ import logging
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +66,19 @@ class CpuDecoderStack:
             "gate_up": [lay.mlp.gate_up_proj for lay in layers],
             "down": [lay.mlp.down_proj for lay in layers],
         }
+        # Quantized linears take inputs of DEQUANT_MIN_ROWS rows or more by a float copy made
+        # for the call (`QuantLinear.forward`), which the op does not do: the Python layers do.
+        quantized = any(_scales(m) is not None for v in proj.values() for m in v)
+        self.max_rows = DEQUANT_MIN_ROWS - 1 if quantized else None
         self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
         self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
         self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
+
+    def takes(self, num_tokens: int) -> bool:
+        """Whether the op runs a forward of `num_tokens` rows (else the Python layers do)."""
+        return self.max_rows is None or num_tokens <= self.max_rows
 
     @staticmethod
     def unsupported_reason(model, attn) -> str | None:

@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:  # [R, V] float32
         x = self.embed_tokens(batch.input_ids)  # [T, H]
-        if self.stack is not None:  # the compiled CPU stack: the same ops in one call
+        if self.stack is not None and self.stack.takes(x.shape[0]):  # the same ops, one call
             x, residual = self.stack(x, batch)
         else:
             residual = None

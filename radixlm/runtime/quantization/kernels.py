@@ -16,6 +16,7 @@ packed tensors, telling them apart by the weight's dtype (int8 / uint8).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,11 +28,13 @@ from radixlm.runtime.quantization.weights import QuantizedWeight
 
 @dataclass(frozen=True)
 class QuantKernel:
-    """`pack(qw, dtype, device) -> (weight, scales)`; `mm(x [T, K], weight, scales) -> [T, N]`."""
+    """`pack(qw, dtype, device) -> (weight, scales)`; `mm(x [T, K], weight, scales) -> [T, N]`;
+    `dequantize(weight, scales) -> [N, K]` in the scales' dtype (None: not offered)."""
 
     name: str
     pack: Callable[[QuantizedWeight, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]
     mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    dequantize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # The packed int8 weight is the plain [N, K] matrix (an embedding can gather its rows).
     plain_rows: bool = False
 
@@ -49,9 +52,84 @@ def _scales_and_zeros(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor: 
     return torch.stack([qw.scales, zeros], dim=-1).transpose(0, 1).to(dtype).contiguous()
 
 
+@dataclass(frozen=True)
+class Int4CpuLayout:
+    """Where `_convert_weight_to_int4pack_for_cpu` puts the nibbles of an N-row weight: runs of
+    `count` blocks of `size` rows, each block stored k-major, its rows in `order` along a k
+    (AVX-512: blocks of 64 rows ordered 0, 32, 1, 33, ..., 16, 48, ...; a tail block in row
+    order). Learned by packing probes, not assumed: `int4_cpu_layout`."""
+
+    groups: tuple[tuple[int, int, torch.Tensor], ...]  # (count, size, inverse order [size])
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:  # [...] uint8 -> [... * 2]: low first
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(-1)
+
+
+@functools.cache
+def int4_cpu_layout(n: int) -> Int4CpuLayout:
+    """The layout of an N-row packed weight, from three probe packs of an [N, 2] weight (the
+    k index, and the row index's two low hex digits) read back nibble by nibble."""
+    rows = torch.arange(n)[:, None].expand(n, 2)
+    ks = torch.arange(2)[None, :].expand(n, 2)
+
+    def probe(q: torch.Tensor) -> torch.Tensor:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        return _nibbles(packed).long()
+
+    _, runs = torch.unique_consecutive(probe(ks), return_counts=True)  # k = 0, 1, 0, 1, ...
+    low = probe(rows % 16) + 16 * probe(rows // 16 % 16)  # row index mod 256
+    groups: list[tuple[int, int, torch.Tensor]] = []
+    pos = 0
+    for size in runs[::2].tolist():  # each block: its k = 0 run, then its k = 1 run
+        order = (low[pos : pos + size] - low[pos]) % 256  # rows relative to the block's first
+        inv = torch.argsort(order)
+        if groups and groups[-1][1] == size and torch.equal(groups[-1][2], inv):
+            groups[-1] = (groups[-1][0] + 1, size, inv)
+        else:
+            groups.append((1, size, inv))
+        pos += 2 * size
+    return Int4CpuLayout(tuple(groups))
+
+
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:  # -> [N, K] uint8
+    """The [N, K] nibbles `_convert_weight_to_int4pack_for_cpu` packed into `packed`."""
+    nib = _nibbles(packed)
+    out, off = [], 0
+    for count, size, inv in int4_cpu_layout(n).groups:
+        seg = nib[off : off + count * k * size].view(count, k, size)[:, :, inv]
+        out.append(seg.transpose(1, 2).reshape(count * size, k))
+        off += count * k * size
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 def _pack_int4_cpu(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 1)
+    q = qw.q.to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    _check_unpack(*qw.shape)
     return packed, _scales_and_zeros(qw, dtype)
+
+
+@functools.cache
+def _check_unpack(n: int, k: int) -> None:
+    """Once per shape: a probe weight unpacks to itself (the learned layout holds at this K)."""
+    probe = (torch.arange(n * k) * 7 % 16).reshape(n, k).to(torch.int32)
+    again = unpack_int4_cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1), n, k)
+    if not torch.equal(again.to(torch.int32), probe):
+        raise RuntimeError(f"the int4 CPU pack layout of a {n} x {k} weight is not the learned one")
+
+
+def _dequantize_int4_cpu(w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:  # -> [N, K]
+    groups, n = sz.shape[0], sz.shape[1]
+    k = w.shape[1] * 2
+    q = unpack_int4_cpu(w, n, k).view(n, groups, k // groups).to(sz.dtype)
+    s = sz[..., 0].t().contiguous()[..., None]  # [N, G, 1]
+    z = sz[..., 1].t().contiguous()[..., None]
+    return torch.addcmul(z - 8 * s, q, s).view(n, k)  # (q - 8) * s + z
+
+
+def _dequantize_int8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # -> [N, K]
+    return w.to(s.dtype) * s[:, None]
 
 
 def _mm_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -61,6 +139,11 @@ def _mm_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def _mm_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, x.shape[-1] // sz.shape[0], sz)
 
+
+# Inputs of at least this many rows multiply a float copy of the weight made for the call
+# (`dequantize`, then `F.linear`) where the kernel offers one: the low-bit CPU kernels are
+# compute-bound past a few rows (measured on SmolLM2's 120 linears, README).
+DEQUANT_MIN_ROWS = 128
 
 CUDA_INNER_K_TILES = 8
 
@@ -81,8 +164,12 @@ def _mm_int8_cuda(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
 
 
 KERNELS: dict[tuple[str, int], QuantKernel] = {
-    ("cpu", 8): QuantKernel("aten._weight_int8pack_mm", _pack_int8, _mm_int8, plain_rows=True),
-    ("cpu", 4): QuantKernel("aten._weight_int4pack_mm_for_cpu", _pack_int4_cpu, _mm_int4_cpu),
+    ("cpu", 8): QuantKernel(
+        "aten._weight_int8pack_mm", _pack_int8, _mm_int8, _dequantize_int8, plain_rows=True
+    ),
+    ("cpu", 4): QuantKernel(
+        "aten._weight_int4pack_mm_for_cpu", _pack_int4_cpu, _mm_int4_cpu, _dequantize_int4_cpu
+    ),
     ("cuda", 8): QuantKernel("int8 weight, F.linear", _pack_int8, _mm_int8_cuda, plain_rows=True),
     ("cuda", 4): QuantKernel("aten._weight_int4pack_mm", _pack_int4_cuda, _mm_int4_cuda),
 }

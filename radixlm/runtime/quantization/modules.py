@@ -1,8 +1,10 @@
 """Weight-only quantized modules of the Llama-family model, and how a model gets them.
 
 `QuantLinear` stands where an `nn.Linear` (or a row-parallel one) stood: same `in_features` /
-`out_features` / `bias`, its weight packed for a `QuantKernel`. `QuantEmbedding` gathers rows of
-an int8 `QuantLinear`'s plain weight (the tied LM head and the embedding share one copy).
+`out_features` / `bias`, its weight packed for a `QuantKernel`; inputs of `DEQUANT_MIN_ROWS` rows
+or more (prefill) multiply a float copy dequantized for the call, fewer (decode) the kernel.
+`QuantEmbedding` gathers rows of an int8 `QuantLinear`'s plain weight (the tied LM head and the
+embedding share one copy).
 
 Which linears get which format (`quantize_model`, `install_quantized`):
 - the per-layer projections: int8 per output channel, or int4 in groups (`--quantization`);
@@ -17,9 +19,10 @@ import logging
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.quantization.kernels import QuantKernel, get_kernel
+from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS, QuantKernel, get_kernel
 from radixlm.runtime.quantization.weights import (
     QuantizedWeight,
     int4_group_for,
@@ -58,7 +61,11 @@ class QuantLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        y = self.kernel.mm(x, self.qweight, self.scales)
+        dequantize = self.kernel.dequantize
+        if x.shape[0] >= DEQUANT_MIN_ROWS and dequantize is not None:
+            y = F.linear(x, dequantize(self.qweight, self.scales))  # compute-bound: float GEMM
+        else:
+            y = self.kernel.mm(x, self.qweight, self.scales)
         if self.group is not None:
             self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
