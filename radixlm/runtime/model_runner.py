@@ -44,15 +44,20 @@ def _quant_summary(model) -> str:
     """`"120 x int4 group 32 from Q4_1 by aten._weight_int4pack_mm_for_cpu, ..."`."""
     from collections import Counter
 
-    from radixlm.runtime.quantization import QuantLinear
+    from radixlm.runtime.quantization import QuantEmbedding, QuantLinear
 
     kinds = Counter(
         f"int{m.bits} {'per channel' if m.bits == 8 else f'group {m.group_size}'} from "
-        f"{m.source} by {m.kernel.name}"
+        f"{m.source} by {m.kernel.name} (from {m.kernel.dequant_min_rows} rows: dequantized)"
         for m in model.modules()
         if isinstance(m, QuantLinear)
     )
-    return ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    out = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    emb = model.embed_tokens
+    if isinstance(emb, QuantEmbedding):
+        shared = isinstance(model.lm_head, QuantLinear) and emb.qweight is model.lm_head.qweight
+        out += "; embedding int8 rows" + (" of the LM head's copy" if shared else "")
+    return out
 
 
 class ModelRunner:
@@ -200,21 +205,24 @@ class ModelRunner:
                 logger.warning("fused CPU layer ops unavailable (%s); using the torch twins", e)
         model.set_layer_ops(ops)
         linears = "dense"
-        if self.quantization != "none":
-            linears = f"{self.quantization} weight-only ({_quant_summary(model)}); other float"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
             pack_linears(model, lowp)
-            linears += " onednn-prepacked" if self.quantization != "none" else "onednn-prepacked"
+            linears = "onednn-prepacked"
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 
             why_not = CpuDecoderStack.unsupported_reason(model, self.attn)
             if why_not is None:
                 model.stack = CpuDecoderStack(model, self.attn)
                 linears += ", one decoder_stack call per forward"
+                if model.stack.max_rows is not None:
+                    linears += f" of up to {model.stack.max_rows} rows"
             else:
                 logger.info("layers run from Python: %s", why_not)
         elif lowp is not None:
             add_lowp_copies(model, lowp)
+        if self.quantization != "none":
+            summary = _quant_summary(model)
+            linears = f"{self.quantization} weight-only ({summary}); the rest {linears}"
         if lowp is not None:
             logger.info(
                 "this CPU has no native %s matmul: weights compute in %s (a %s copy for 1-2 row "

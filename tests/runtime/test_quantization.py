@@ -5,6 +5,8 @@ mode, and the flag's validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -66,18 +68,36 @@ def test_int4_cpu_unpack_inverts_the_pack(n: int, k: int) -> None:
 @pytest.mark.parametrize("mode,group", [("int8", 0), ("int4", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_inputs_take_the_dequantized_weight(mode, group, dtype) -> None:
-    from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS
-
     torch.manual_seed(4)
     lin = nn.Linear(256, 96, bias=True).to(dtype)
     q = quantize_linear(lin, mode, group)
-    x = torch.randn(DEQUANT_MIN_ROWS, 256, dtype=dtype)
+    x = torch.randn(q.kernel.dequant_min_rows, 256, dtype=dtype)
     w = q.kernel.dequantize(q.qweight, q.scales)  # [N, K]
     qw = quantize_int8(lin.weight) if mode == "int8" else quantize_int4(lin.weight, group)
     # the float copy is the weight the kernel multiplies by (rounded to `dtype`)
     assert _relerr(w, qw.dequantize()) < (1e-6 if dtype == torch.float32 else 4e-3)
     kernel = q.kernel.mm(x, q.qweight, q.scales) + q.bias
     assert _relerr(q(x), kernel) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")
+@pytest.mark.parametrize("n,k,group", [(960, 576, 32), (480, 576, 64), (48, 128, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dequantize_op_matches_its_twin(n, k, group, dtype) -> None:
+    """The compiled dequantization (full blocks and a tail) against the torch twin: equal in
+    float32; in bf16 the op rounds once, from the float32 value, as `.to(bfloat16)` does."""
+    from radixlm.runtime.quantization.kernels import (
+        _dequantize_int4_cpu,
+        get_kernel,
+        int4_cpu_blocks,
+    )
+
+    torch.manual_seed(5)
+    kernel = get_kernel("cpu", 4)
+    packed, sz = kernel.pack(quantize_int4(torch.randn(n, k), group), dtype, CPU)
+    got = build.load_op().int4_dequantize_t(packed, int4_cpu_blocks(n), sz, k)  # [K, N]
+    twin = _dequantize_int4_cpu(packed, sz.float()).t()
+    assert torch.equal(got, twin.to(dtype))
 
 
 def test_quantizers_bound_the_error_by_half_a_step() -> None:
@@ -219,16 +239,20 @@ def test_quantized_stack_equals_python_layers(request, fixture: str, mode: str) 
 def test_prefill_past_the_row_threshold_runs_the_python_layers(tiny_llama_dir, monkeypatch) -> None:
     """A long prefill leaves the op for the Python layers and the dequantized weights; with the
     threshold lifted, the same forward through the op and the kernels agrees."""
-    from radixlm.runtime.quantization import modules
+    from radixlm.runtime.quantization.kernels import KERNELS
 
-    ids = [(i * 7919) % 40000 + 5 for i in range(modules.DEQUANT_MIN_ROWS + 12)]
+    kernel = KERNELS[("cpu", 4)]
+    ids = [(i * 7919) % 40000 + 5 for i in range(kernel.dequant_min_rows + 12)]
     fb = ForwardBatch.build([ids], [0], [list(range(64))], [list(range(len(ids)))], 4, "cpu")
     r = ModelRunner(
         tiny_llama_dir, "float32", CPU, CacheConfig(page_size=4, num_pages=64), quantization="int4"
     )
     assert not r.model.stack.takes(len(ids)) and r.model.stack.takes(1)
     dequantized = r.forward(fb)
-    monkeypatch.setattr(modules, "DEQUANT_MIN_ROWS", 10**9)
+    lifted = dataclasses.replace(kernel, dequant_min_rows=10**9)
+    for m in r.model.modules():
+        if isinstance(m, QuantLinear) and m.bits == 4:
+            monkeypatch.setattr(m, "kernel", lifted)
     r.model.stack.max_rows = None
     assert _relerr(dequantized, r.forward(fb)) < 1e-5
 

@@ -16,7 +16,6 @@ import logging
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch
-from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +65,15 @@ class CpuDecoderStack:
             "gate_up": [lay.mlp.gate_up_proj for lay in layers],
             "down": [lay.mlp.down_proj for lay in layers],
         }
-        # Quantized linears take inputs of DEQUANT_MIN_ROWS rows or more by a float copy made
+        # Quantized linears take inputs of `dequant_min_rows` rows or more by a float copy made
         # for the call (`QuantLinear.forward`), which the op does not do: the Python layers do.
-        quantized = any(_scales(m) is not None for v in proj.values() for m in v)
-        self.max_rows = DEQUANT_MIN_ROWS - 1 if quantized else None
+        limits = [
+            m.kernel.dequant_min_rows - 1
+            for v in proj.values()
+            for m in v
+            if _scales(m) is not None
+        ]
+        self.max_rows = min(limits) if limits else None
         self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
         self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
         self.biases = {k: [m.bias for m in v] for k, v in proj.items()}

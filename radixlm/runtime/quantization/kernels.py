@@ -29,12 +29,18 @@ from radixlm.runtime.quantization.weights import QuantizedWeight
 @dataclass(frozen=True)
 class QuantKernel:
     """`pack(qw, dtype, device) -> (weight, scales)`; `mm(x [T, K], weight, scales) -> [T, N]`;
-    `dequantize(weight, scales) -> [N, K]` in the scales' dtype (None: not offered)."""
+    `dequantize(weight, scales) -> [N, K]` in the scales' dtype (the reference) and
+    `mm_dequantized(x, weight, scales) -> [T, N]`, the product through a float copy made for the
+    call (None: not offered)."""
 
     name: str
     pack: Callable[[QuantizedWeight, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]
     mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     dequantize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    mm_dequantized: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Inputs of at least this many rows take `mm_dequantized`: the low-bit CPU kernels are
+    # compute-bound past a few rows (crossovers measured on SmolLM2's 120 linears, README).
+    dequant_min_rows: int = 1 << 62
     # The packed int8 weight is the plain [N, K] matrix (an embedding can gather its rows).
     plain_rows: bool = False
 
@@ -59,7 +65,7 @@ class Int4CpuLayout:
     (AVX-512: blocks of 64 rows ordered 0, 32, 1, 33, ..., 16, 48, ...; a tail block in row
     order). Learned by packing probes, not assumed: `int4_cpu_layout`."""
 
-    groups: tuple[tuple[int, int, torch.Tensor], ...]  # (count, size, inverse order [size])
+    groups: tuple[tuple[int, int, torch.Tensor], ...]  # (count, size, order [size])
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:  # [...] uint8 -> [... * 2]: low first
@@ -82,12 +88,12 @@ def int4_cpu_layout(n: int) -> Int4CpuLayout:
     groups: list[tuple[int, int, torch.Tensor]] = []
     pos = 0
     for size in runs[::2].tolist():  # each block: its k = 0 run, then its k = 1 run
-        order = (low[pos : pos + size] - low[pos]) % 256  # rows relative to the block's first
-        inv = torch.argsort(order)
-        if groups and groups[-1][1] == size and torch.equal(groups[-1][2], inv):
-            groups[-1] = (groups[-1][0] + 1, size, inv)
+        # nibble j of the block -> its row, relative to the block's first row
+        order = (low[pos : pos + size] - low[pos : pos + size].min()) % 256
+        if groups and groups[-1][1] == size and torch.equal(groups[-1][2], order):
+            groups[-1] = (groups[-1][0] + 1, size, order)
         else:
-            groups.append((1, size, inv))
+            groups.append((1, size, order))
         pos += 2 * size
     return Int4CpuLayout(tuple(groups))
 
@@ -96,11 +102,33 @@ def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:  # ->
     """The [N, K] nibbles `_convert_weight_to_int4pack_for_cpu` packed into `packed`."""
     nib = _nibbles(packed)
     out, off = [], 0
-    for count, size, inv in int4_cpu_layout(n).groups:
-        seg = nib[off : off + count * k * size].view(count, k, size)[:, :, inv]
+    for count, size, order in int4_cpu_layout(n).groups:
+        seg = nib[off : off + count * k * size].view(count, k, size)[:, :, torch.argsort(order)]
         out.append(seg.transpose(1, 2).reshape(count * size, k))
         off += count * k * size
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+INT4_PAIRED, INT4_SPLIT = 0, 1  # `int4_dequantize_t`'s two block layouts
+
+
+@functools.cache
+def int4_cpu_blocks(n: int) -> torch.Tensor | None:
+    """`[NB, 2]`: each block's rows and byte layout, as `int4_dequantize_t` reads an N-row pack
+    (paired: byte i holds rows 2i, 2i + 1; split: rows i, i + size/2); None when a block has
+    neither layout (the twin then dequantizes)."""
+    blocks = []
+    for count, size, order in int4_cpu_layout(n).groups:
+        half = torch.arange(size // 2)
+        paired = torch.stack([2 * half, 2 * half + 1], dim=1).reshape(-1)
+        split = torch.stack([half, half + size // 2], dim=1).reshape(-1)
+        if torch.equal(order, paired):
+            blocks += [(size, INT4_PAIRED)] * count
+        elif torch.equal(order, split):
+            blocks += [(size, INT4_SPLIT)] * count
+        else:
+            return None
+    return torch.tensor(blocks, dtype=torch.int64)
 
 
 def _pack_int4_cpu(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
@@ -132,6 +160,22 @@ def _dequantize_int8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # -> [N
     return w.to(s.dtype) * s[:, None]
 
 
+def _mm_dequantized_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, _dequantize_int8(w, s))
+
+
+def _mm_dequantized_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """`x @ dequantize(w)^T` by a float GEMM on the transposed weight the compiled op writes
+    (`int4_dequantize_t`, reading the pack in order); without the op, the twin."""
+    from radixlm.kernels.cpu.build import load_op
+
+    op = load_op()
+    blocks = int4_cpu_blocks(sz.shape[1])
+    if op is None or blocks is None:
+        return F.linear(x, _dequantize_int4_cpu(w, sz))
+    return x @ op.int4_dequantize_t(w, blocks, sz, x.shape[1])  # [T, K] @ [K, N]
+
+
 def _mm_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int8pack_mm(x, w, s)
 
@@ -139,11 +183,6 @@ def _mm_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def _mm_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, x.shape[-1] // sz.shape[0], sz)
 
-
-# Inputs of at least this many rows multiply a float copy of the weight made for the call
-# (`dequantize`, then `F.linear`) where the kernel offers one: the low-bit CPU kernels are
-# compute-bound past a few rows (measured on SmolLM2's 120 linears, README).
-DEQUANT_MIN_ROWS = 128
 
 CUDA_INNER_K_TILES = 8
 
@@ -165,10 +204,21 @@ def _mm_int8_cuda(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
 
 KERNELS: dict[tuple[str, int], QuantKernel] = {
     ("cpu", 8): QuantKernel(
-        "aten._weight_int8pack_mm", _pack_int8, _mm_int8, _dequantize_int8, plain_rows=True
+        "aten._weight_int8pack_mm",
+        _pack_int8,
+        _mm_int8,
+        _dequantize_int8,
+        _mm_dequantized_int8,
+        dequant_min_rows=16,
+        plain_rows=True,
     ),
     ("cpu", 4): QuantKernel(
-        "aten._weight_int4pack_mm_for_cpu", _pack_int4_cpu, _mm_int4_cpu, _dequantize_int4_cpu
+        "aten._weight_int4pack_mm_for_cpu",
+        _pack_int4_cpu,
+        _mm_int4_cpu,
+        _dequantize_int4_cpu,
+        _mm_dequantized_int4_cpu,
+        dequant_min_rows=32,
     ),
     ("cuda", 8): QuantKernel("int8 weight, F.linear", _pack_int8, _mm_int8_cuda, plain_rows=True),
     ("cuda", 4): QuantKernel("aten._weight_int4pack_mm", _pack_int4_cuda, _mm_int4_cuda),

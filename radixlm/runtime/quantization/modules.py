@@ -1,8 +1,9 @@
 """Weight-only quantized modules of the Llama-family model, and how a model gets them.
 
 `QuantLinear` stands where an `nn.Linear` (or a row-parallel one) stood: same `in_features` /
-`out_features` / `bias`, its weight packed for a `QuantKernel`; inputs of `DEQUANT_MIN_ROWS` rows
-or more (prefill) multiply a float copy dequantized for the call, fewer (decode) the kernel.
+`out_features` / `bias`, its weight packed for a `QuantKernel`; inputs of the kernel's
+`dequant_min_rows` or more (prefill, large batches) multiply a float copy dequantized for the
+call, fewer (decode) the low-bit kernel.
 `QuantEmbedding` gathers rows of an int8 `QuantLinear`'s plain weight (the tied LM head and the
 embedding share one copy).
 
@@ -19,10 +20,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.quantization.kernels import DEQUANT_MIN_ROWS, QuantKernel, get_kernel
+from radixlm.runtime.quantization.kernels import QuantKernel, get_kernel
 from radixlm.runtime.quantization.weights import (
     QuantizedWeight,
     int4_group_for,
@@ -61,9 +61,9 @@ class QuantLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        dequantize = self.kernel.dequantize
-        if x.shape[0] >= DEQUANT_MIN_ROWS and dequantize is not None:
-            y = F.linear(x, dequantize(self.qweight, self.scales))  # compute-bound: float GEMM
+        mm_dequantized = self.kernel.mm_dequantized
+        if x.shape[0] >= self.kernel.dequant_min_rows and mm_dequantized is not None:
+            y = mm_dequantized(x, self.qweight, self.scales)  # compute-bound: a float GEMM
         else:
             y = self.kernel.mm(x, self.qweight, self.scales)
         if self.group is not None:
