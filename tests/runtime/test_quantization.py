@@ -148,7 +148,8 @@ def _random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) 
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
     halves = 2 if type_name in ("Q4_1", "Q4_K") else 1
     scales = rng.uniform(-0.05, 0.05, size=(rows, k // block, halves)).astype(np.float16)
-    raw[..., : 2 * halves] = scales.view(np.uint8).reshape(rows, k // block, 2 * halves)
+    at = size - 2 if type_name == "Q6_K" else 0  # Q6_K keeps its fp16 scale last
+    raw[..., at : at + 2 * halves] = scales.view(np.uint8).reshape(rows, k // block, 2 * halves)
     return raw.reshape(rows, -1)
 
 
@@ -167,6 +168,50 @@ def test_gguf_blocks_dequantize_bit_exact(type_name: str) -> None:
         lin = QuantLinear(qw, None, torch.float32, CPU)
         x = torch.randn(3, k)
         assert _relerr(lin(x), x.double() @ ref.double().t()) < 1e-5
+
+
+def test_gguf_file_maps_blocks_and_dequantizes_the_rest(tmp_path, caplog) -> None:
+    """A small .gguf written with gguf's own writer: Q4_1 / Q8_0 tensors come back as blocks
+    (bit-exact), F32 as floats, an unmapped type (Q6_K) dequantized by gguf with a log line
+    naming tensor and type; q/k rows of a `llama` file are un-permuted, others are not."""
+    import logging
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    q41 = quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_up.weight", q41, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    q80 = quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", q80, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q6k = _random_blocks("Q6_K", 64, 256, rng)
+    writer.add_tensor("blk.0.ffn_down.weight", q6k, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor("blk.0.attn_norm.weight", w[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.INFO, logger="radixlm.runtime.quantization.gguf_reader"):
+        got = dict(iter_gguf(tmp_path / "t.gguf", num_heads=4, num_kv_heads=2))
+    up = got["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, QuantizedWeight) and up.source == "Q4_1"
+    assert torch.equal(
+        up.dequantize(), torch.from_numpy(dequantize(q41, gguf.GGMLQuantizationType.Q4_1))
+    )
+    q = got["model.layers.0.self_attn.q_proj.weight"]
+    assert q.source == "Q8_0"
+    # llama.cpp's converter permuted the q rows; the reader undoes it as transformers'
+    # `_reverse_permute_weights` does: [heads, dim, 2, K] -> swap axes 1, 2
+    dq = torch.from_numpy(dequantize(q80, gguf.GGMLQuantizationType.Q8_0))  # [64, 256]
+    permuted = dq.reshape(4, 8, 2, 256).transpose(1, 2).reshape(64, 256)
+    assert torch.equal(q.dequantize(), permuted)
+    down = got["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.shape == (64, 256)
+    assert torch.equal(down, torch.from_numpy(dequantize(q6k, gguf.GGMLQuantizationType.Q6_K)))
+    assert "blk.0.ffn_down.weight has type Q6_K" in caplog.text
+    assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(w[0]))
 
 
 def test_default_gguf_maps_onto_the_converted_weights(default_model_dir) -> None:
