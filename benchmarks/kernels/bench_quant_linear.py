@@ -71,6 +71,15 @@ class Path_:
         return q.kernel.mm(x, q.qweight, q.scales)
 
 
+def markdown_table(results: dict[str, dict[str, float]], first: str) -> str:
+    """One row per key of `results`, one column per key of its rows."""
+    cols = list(next(iter(results.values())))
+    lines = [f"| {first} | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, row in results.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row[c]:.2f}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
 def time_ms(fn, iters: int) -> float:
     for _ in range(2):
         fn()
@@ -112,11 +121,7 @@ def main() -> None:
                 x = xs[HIDDEN]
                 results[kind][f"lm_head r{r}"] = time_ms(lambda x=x, h=head: h(x), args.iters)
             print(kind, {k: round(v, 2) for k, v in results[kind].items()}, flush=True)
-    cols = list(next(iter(results.values())))
-    print("| kind | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 1) + "|")
-    for kind, row in results.items():
-        print(f"| {kind} | " + " | ".join(f"{row[c]:.2f}" for c in cols) + " |")
+    print(markdown_table(results, "kind"))
     if args.out:
         info = {"cpu_flags": cpu_flags(), "threads": args.threads, "load": os.getloadavg()}
         args.out.write_text(json.dumps({"info": info, "ms": results}, indent=2) + "\n")

@@ -100,6 +100,21 @@ def test_int4_dequantize_op_matches_its_twin(n, k, group, dtype) -> None:
     assert torch.equal(got, twin.to(dtype))
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_dequantized_product_in_row_chunks(mode: str, monkeypatch) -> None:
+    """A weight dequantized a chunk of rows at a time (whole int4 blocks, the tail block last)
+    gives the product of the whole dequantized weight."""
+    from radixlm.runtime.quantization import kernels
+
+    monkeypatch.setattr(kernels, "DEQUANT_CHUNK_ELEMS", 128 * 256)  # 128-row chunks
+    torch.manual_seed(6)
+    lin = nn.Linear(256, 480, bias=False)  # 7 blocks of 64 rows and a 32-row tail
+    q = quantize_linear(lin, mode, 32)
+    x = torch.randn(40, 256)
+    ref = x @ q.kernel.dequantize(q.qweight, q.scales).t()
+    assert _relerr(q.kernel.mm_dequantized(x, q.qweight, q.scales), ref) < 1e-6
+
+
 def test_quantizers_bound_the_error_by_half_a_step() -> None:
     torch.manual_seed(1)
     w = torch.randn(48, 128) * torch.rand(48, 1)
