@@ -12,7 +12,7 @@ Both sides generate exactly the requested number of tokens per request (EOS is i
 those "useful" tokens count: output tok/s = useful tokens / wall time.
 
 Part 2, step overhead: with B decode-only requests on a paused engine, the time of one
-engine step (`EngineCore.step()`: schedule, executor.run, update, drain) vs a bare
+engine step (`EngineCore.step()`: schedule, executor.run, update, emit) vs a bare
 `ModelRunner.forward` of the very same `ForwardBatch`, measured in
 pairs (one of each per decode position), plus where the difference goes.
 
@@ -304,10 +304,10 @@ def measure_step_overhead(
     engine = make_engine(args, pages_for(wl, 16), (max(64, batch), 2048, 512))
     engine.shutdown()  # stop the loop thread: this thread drives the scheduler directly
     sched, runner, proc = engine.scheduler, engine.runner, engine.processor
-    core, executor = engine.core, engine.executor
+    core, executor, appender = engine.core, engine.executor, engine.scheduler.appender
     for i, prompt in enumerate(wl.prompts):
         req = Request(request_id=f"s{i}", prompt_token_ids=prompt, params=greedy(new_tokens))
-        proc.init_request(req)
+        appender.init_request(req)
         sched.add_request(req)
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         core.step()  # prefill, untimed
@@ -319,8 +319,8 @@ def measure_step_overhead(
     timer.wrap(executor, "run", "executor_run")
     timer.wrap(executor, "_sample", "sample")
     timer.wrap(sched, "update", "update")
-    timer.wrap(proc, "append", "append_detok_stop")
-    timer.wrap(proc, "drain", "drain")
+    timer.wrap(appender, "append", "append_detok_stop")
+    timer.wrap(proc, "emit", "emit")
     ps = runner.page_size
     step_times, fwd_times = [], []  # (wall, cpu) pairs
     for k in range(iters):

@@ -89,7 +89,7 @@ def chat(engine: Engine, text: str) -> str:
 
 
 def grammar_seconds(engine: Engine) -> float:
-    step = engine.processor.grammar
+    step = engine.scheduler.appender.grammar
     return step.seconds if step is not None else 0.0
 
 

@@ -24,15 +24,15 @@ from typing import Any
 
 import torch
 
-from radixlm.runtime.grammar import (
-    Constraint,
-    TokenVocab,
+from radixlm.runtime.grammar.base import get_backend
+from radixlm.runtime.grammar.bitmask import (
     allocate_bitmask,
     apply_token_bitmask,
     apply_token_bitmask_torch,
-    get_backend,
-    jump_forward,
 )
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.jump_forward import jump_forward
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 
 SCHEMA = {

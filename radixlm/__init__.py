@@ -12,9 +12,10 @@ Request flow::
           Executor.run(batch) -> StepOutput
             ForwardBatch (persistent page table) -> ModelRunner.forward: one ragged forward
             attention: K/V written into pages and read in place; grammar masks; sampling
-          Scheduler.update(batch, out): tokens appended (OutputProcessor: stop checks,
-            incremental detokenization), computed pages into the RadixCache, finished released
-          OutputProcessor.drain(): deltas to the sinks
+          Scheduler.update(batch, out) -> StepResult: tokens appended (TokenAppender: stop
+            checks, incremental detokenization), computed pages into the RadixCache, finished
+            requests released
+          OutputProcessor.emit(result): deltas to the sinks
 
 Public API: `Engine`, `SamplingParams`, and the frontend language (`radixlm.lang`), whose names
 are re-exported here so that an SGLang program runs with `import radixlm as sgl`: `function`,

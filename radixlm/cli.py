@@ -14,6 +14,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from radixlm.config import CacheConfig, EngineConfig, SchedulerConfig
+from radixlm.runtime.errors import ConfigError
 
 _HELP = {
     "model": "local HF model dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
@@ -138,7 +139,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from radixlm.server.serving import ServerConfig
+    from radixlm.server.server_config import ServerConfig
 
     d = ServerConfig()
     group = parser.add_argument_group("server")
@@ -241,7 +242,7 @@ def _add_limit_args(group: argparse._ArgumentGroup, defaults: Any) -> None:
 
 
 def server_config(args: argparse.Namespace) -> Any:
-    from radixlm.server.serving import ServerConfig
+    from radixlm.server.server_config import ServerConfig
 
     return ServerConfig(
         **{name: getattr(args, name) for name, _, _ in _LIMIT_FLAGS.values()},
@@ -290,12 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     add_server_args(srv)
     add_engine_args(srv)
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
+    try:
+        if args.command == "generate":
+            return _generate(args)
         return _serve(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    except ConfigError as exc:  # a configuration that cannot run: one line, not a traceback
+        parser.exit(2, f"radixlm {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

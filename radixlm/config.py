@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from radixlm.runtime.errors import ConfigError
+
 # Weight-only quantization (`radixlm.runtime.quantization`): "none" keeps the checkpoint's floats,
 # "int8" / "int4" quantize them at load time, "gguf" loads a .gguf's own blocks as they ship.
 QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
@@ -28,13 +30,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+            raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2, got {self.num_pages}")
+            raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
-            raise ValueError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
+            raise ConfigError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
-            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+            raise ConfigError(
+                f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}"
+            )
 
 
 @dataclass(frozen=True)
@@ -54,16 +58,35 @@ class SchedulerConfig:
     # starves behind a stream of better-matching ones.
     aging_tokens_per_second: float = 256.0
     max_model_len: int | None = None
+    # Speculative decoding (SGLang's flag names): "ngram" drafts up to
+    # `speculative_num_draft_tokens` tokens per decode, without a draft model: the continuation
+    # the radix tree holds after the whole sequence, else prompt lookup of its last
+    # `speculative_ngram_max` .. `speculative_ngram_min` tokens; verified in the same forward.
+    # None: off.
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1")
+            raise ConfigError("max_running_requests must be >= 1")
         if self.max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
+            raise ConfigError("max_batched_tokens must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be >= 1 or None")
+            raise ConfigError("chunked_prefill_size must be >= 1 or None")
         if self.aging_tokens_per_second < 0:
-            raise ValueError("aging_tokens_per_second must be >= 0")
+            raise ConfigError("aging_tokens_per_second must be >= 0")
+        if isinstance(self.speculative_algorithm, str):  # SGLang spells it NGRAM
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ConfigError(
+                f"speculative_algorithm must be 'ngram' or None, got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ConfigError("speculative_num_draft_tokens must be >= 1")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ConfigError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
 
 
 @dataclass(frozen=True)
@@ -102,22 +125,22 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
             )
         if self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
+            raise ConfigError(
                 f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
                 f"got {self.quantization_group_size}"
             )
         # NOTE: grammar_backend is checked against the registry by the Engine (importing it
         # here would pull in torch).
         if not self.grammar_timeout_s > 0:
-            raise ValueError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+            raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+            raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -32,6 +32,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from radixlm.runtime.grammar.schema_text import normalize_schema_text
+
 TRIGGER = "<tool_call>"
 CALL_HEADER = '\n{"name": "'  # after TRIGGER, before the name
 ARGS_HEADER = '", "arguments": '  # after the name, before the arguments
@@ -102,8 +104,6 @@ class ToolCallsSpec:
     @classmethod
     def from_json(cls, text: str | Mapping[str, Any]) -> ToolCallsSpec:
         """Parse (and normalize) a spec given as JSON text or a mapping."""
-        from radixlm.runtime.grammar.base import normalize_schema_text
-
         data: Any = text
         if isinstance(text, str):
             try:

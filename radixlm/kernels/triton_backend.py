@@ -12,8 +12,6 @@ Imported only when the backend is created (see `radixlm.kernels.registry`); it i
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from radixlm.kernels.attention import interpret_mode, page_table_indptr
@@ -26,6 +24,7 @@ from radixlm.kernels.extend_attention import extend_attention
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.kv_store import store_kv
 from radixlm.kernels.registry import register_attention_backend
+from radixlm.kernels.split_kv import num_kv_splits
 
 
 def choose_num_kv_splits(
@@ -36,15 +35,13 @@ def choose_num_kv_splits(
     max_splits: int = 16,
     min_tokens_per_split: int = 256,
 ) -> int:
-    """Split-KV factor for a decode launch: enough programs to fill the GPU (~2 per SM) when
-    `num_decode * num_kv_heads` alone does not, but never splits shorter than
-    `min_tokens_per_split` tokens (the reduce stage and partial writes would dominate)."""
+    """Split-KV factor for a decode launch: one program per (decode row, KV head), ~2 per SM
+    wanted (`radixlm.kernels.split_kv`)."""
     if num_decode == 0:
         return 1
-    programs = num_decode * num_kv_heads
-    by_occupancy = math.ceil(2 * num_sms / programs)
-    by_length = max_seq_len // max(1, min_tokens_per_split)
-    return max(1, min(by_occupancy, by_length, max_splits))
+    return num_kv_splits(
+        num_decode * num_kv_heads, 2 * num_sms, max_seq_len, max_splits, min_tokens_per_split
+    )
 
 
 def _check_interpreted() -> None:

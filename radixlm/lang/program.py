@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from radixlm.lang.interpreter import StreamExecutor
 from radixlm.lang.ir import DEFAULT_PARAMS, GenParams
 from radixlm.lang.state import ProgramState
+from radixlm.lang.tracer import extract_prefix
 
 if TYPE_CHECKING:
     from radixlm.lang.backend.base import BaseBackend
@@ -141,8 +142,6 @@ class Program:
 
     def trace_prefix(self, backend: BaseBackend | None = None, **kwargs: Any) -> str:
         """The constant text every run of this program starts with."""
-        from radixlm.lang.tracer import extract_prefix
-
         return extract_prefix(self, _backend(backend), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> ProgramState:

@@ -8,8 +8,8 @@ backend's chat template, so a constant system prompt is part of the prefix.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from radixlm.lang.backend.base import BaseBackend
 from radixlm.lang.interpreter import StreamExecutor
@@ -18,7 +18,14 @@ from radixlm.lang.state import ProgramState
 
 if TYPE_CHECKING:
     from radixlm.lang.chat_template import ChatTemplate
-    from radixlm.lang.program import Program
+
+
+class Traceable(Protocol):
+    """What the tracer needs of a program (`radixlm.lang.program.Program`)."""
+
+    func: Callable[..., Any]
+    arg_names: Sequence[str]
+    bind_arguments: dict[str, Any]
 
 
 class StopTracing(Exception):
@@ -81,7 +88,7 @@ class _TracingExecutor(StreamExecutor):
 
 
 def extract_prefix(
-    program: Program, backend: BaseBackend, arguments: dict[str, Any] | None = None
+    program: Traceable, backend: BaseBackend, arguments: dict[str, Any] | None = None
 ) -> str:
     """The constant text at the start of every run (given `arguments`; the others are
     placeholders)."""

@@ -171,6 +171,41 @@ class RadixCache:
             node = child if n == len(child.pages) else None
         return pos
 
+    def continuation(
+        self, tokens: Sequence[int], limit: int, namespace: Hashable | None = None
+    ) -> list[int]:
+        """Up to ``limit`` tokens the tree holds right after the whole of ``tokens`` (another
+        sequence computed this prefix and went on: a repeated program, an agent loop, a fork),
+        following the most recently used branch; empty when the tree does not hold all of
+        ``tokens``. Read-only: no split, no LRU touch, no stats."""
+        root = self._roots.get(namespace)
+        if not self.enabled or root is None or limit <= 0:
+            return []
+        ps, node, pos, offset = self.page_size, root, 0, 0  # offset: tokens of node.key used
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
+            if child is None:
+                return []
+            n = self._common_pages(child, tokens, pos)
+            node, pos, offset = child, pos + n * ps, n * ps
+            if n < len(child.pages):
+                break
+        tail = tuple(tokens[pos:])  # < one page, or the rest after a partial node match
+        if offset < len(node.key):
+            if node.key[offset : offset + len(tail)] != tail:
+                return []
+            out = list(node.key[offset + len(tail) :])
+        else:
+            nxt = [c for c in node.children.values() if c.key[: len(tail)] == tail]
+            if not nxt:
+                return []
+            node = max(nxt, key=lambda c: c.last_access)
+            out = list(node.key[len(tail) :])
+        while len(out) < limit and node.children:
+            node = max(node.children.values(), key=lambda c: c.last_access)
+            out.extend(node.key)
+        return out[:limit]
+
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
     ) -> list[int]:

@@ -7,7 +7,9 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    suppressions of those rows are folded into the mask; one batched ``apply_token_bitmask``
    sets the forbidden logits to ``-inf`` on the logits' device.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
-3. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
+3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
+   schema refuses is masked and its row resampled, until one stands or none is left.
+4. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
    grammar forces, possibly replacing the sampled token (``num_rollback``); ``must_stop`` says
    the grammar allows nothing but EOS now, so the request finishes with "stop".
 
@@ -24,33 +26,34 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
-from radixlm.runtime.grammar import (
-    GrammarManager,
-    GrammarTimeoutError,
-    apply_token_bitmask,
-    set_bitmask_bits,
-)
+from radixlm.runtime.batch import SampleError
+from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bits
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
+# Redraws of one row before every allowed token is checked at once (a dead end).
+_MAX_REDRAWS = 16
+DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 
-def take_compiled_grammar(req: Request) -> str | None:
-    """If ``req``'s grammar future is done: on success give it its matcher (``req.grammar``)
-    and return None; on failure (invalid, timed out, cancelled) return the error message. A
-    pending future changes nothing (None)."""
-    fut = req.grammar_future
-    if fut is None or req.grammar is not None or not fut.done():
-        return None
-    try:
-        req.grammar = fut.result().new_matcher()
-    except Exception as exc:  # noqa: BLE001 - GrammarError, CancelledError: this request only
-        timed_out = isinstance(exc, GrammarTimeoutError)
-        req.error_code = "grammar_timeout" if timed_out else "grammar_error"
-        return str(exc) or f"grammar compilation failed: {type(exc).__name__}"
-    return None
+
+@dataclass
+class KeywordStats:
+    """Per relaxed keyword: sampled tokens the verifier refused (each masked), redraws after
+    them, and rows left with no allowed token (the request ends with ``DEAD_END``)."""
+
+    masked: int = 0
+    resampled: int = 0
+    dead_ends: int = 0
+
+
+Redraw = Callable[[int], tuple[int, Any]]
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ class Advance:
 
 
 class GrammarStep:
-    """The grammar work of one decoding step; owned by the ``OutputProcessor`` (step thread)."""
+    """The grammar work of one decoding step; used by the executor (``mask``) and the
+    scheduler's ``TokenAppender`` (``advance``), on the step thread."""
 
     def __init__(self, manager: GrammarManager, device: torch.device) -> None:
         self.manager = manager
@@ -74,6 +78,8 @@ class GrammarStep:
         self.num_jump_forward_tokens = 0
         self.num_jump_forward_rollbacks = 0  # sampled tokens replaced by a re-tokenization
         self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
+        self.verifier_stats: dict[str, KeywordStats] = {}
+        self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:
@@ -105,6 +111,61 @@ class GrammarStep:
             apply_token_bitmask(logits, bitmask, rows)
         self.seconds += time.perf_counter() - start
         return out
+
+    def verify(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        tokens: list[int],
+        logprobs: list[Any],
+        redraw: Redraw,
+    ) -> dict[int, SampleError]:
+        """Sample, check, mask, resample: for each row whose matcher has a verifier, while
+        the exact schema refuses ``tokens[i]``, set ``logits[i, tokens[i]] = -inf`` and take
+        ``redraw(i)`` (a fresh (token, logprob) from the masked row). ``tokens`` / ``logprobs``
+        are updated in place; returns the rows left with no token (their requests fail with
+        code ``DEAD_END``). ``logits`` is the step's private masked copy."""
+        errors: dict[int, SampleError] = {}
+        start = time.perf_counter()
+        for i, req in enumerate(reqs):
+            m = req.grammar
+            if not isinstance(m, VerifiedMatcher):
+                continue
+            redraws = 0
+            while (keyword := m.check_token(tokens[i])) is not None:
+                stats = self.verifier_stats.setdefault(keyword, KeywordStats())
+                stats.masked += 1
+                with torch.inference_mode():  # the runner's logits are inference tensors
+                    logits[i, tokens[i]] = float("-inf")
+                    if redraws >= _MAX_REDRAWS:
+                        self._mask_refused(m, logits[i])
+                if not bool(torch.isfinite(logits[i]).any()):
+                    stats.dead_ends += 1
+                    errors[i] = SampleError(
+                        f"the JSON schema's {keyword!r} refuses every continuation the grammar "
+                        "allows here; the output so far is a prefix of no valid instance",
+                        DEAD_END,
+                    )
+                    break
+                tokens[i], logprobs[i] = redraw(i)
+                stats.resampled += 1
+                redraws += 1
+        elapsed = time.perf_counter() - start
+        self.verifier_seconds += elapsed
+        self.seconds += elapsed
+        return errors
+
+    def verifier_events(self) -> dict[str, dict[str, int]]:
+        """``verifier_stats`` as plain counts per keyword (a snapshot)."""
+        return {k: asdict(v) for k, v in list(self.verifier_stats.items())}
+
+    @staticmethod
+    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor) -> None:
+        """``row[t] = -inf`` for every still-allowed token the verifier refuses."""
+        allowed = torch.isfinite(row).nonzero().flatten().tolist()
+        refused = [t for t in allowed if matcher.check_token(t) is not None]
+        if refused:
+            row[torch.tensor(refused, device=row.device)] = float("-inf")
 
     @staticmethod
     def _suppress(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:

@@ -15,28 +15,20 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from radixlm.config import EngineConfig
-from radixlm.radix import BlockPool, RadixCache
-from radixlm.runtime.cpu_threads import pin_forward_threads, release_idle_teams
-from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.core_factory import EngineParts
+from radixlm.runtime.engine_loop import EngineLoop
 from radixlm.runtime.errors import EngineDeadError, RequestValidationError
-from radixlm.runtime.executor import Executor
-from radixlm.runtime.model_runner import ModelRunner, pick_device
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.observe import EngineSnapshot, SnapshotOptions, take_snapshot
-from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.outputs import Completion, EngineStats, GenerateResult, Usage
 from radixlm.runtime.request import Request, RequestOutput
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from radixlm.runtime.grammar import GrammarManager
 
 logger = logging.getLogger(__name__)
 
@@ -44,100 +36,35 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    """`Engine(model=None, dtype="bfloat16", **config)`; see `EngineConfig` for the knobs."""
+    """`Engine(model=None, dtype="bfloat16", **config)`; see `EngineConfig` for the knobs.
+
+    The thin front: validation and submission, the sync and async APIs, stats. The wiring is
+    `EngineParts` (core_factory.py); the loop thread is `EngineLoop` (engine_loop.py)."""
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", **kwargs: Any) -> None:
-        from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
-        from radixlm.runtime.models.model_info import load_model_info
-
         self.config = EngineConfig.from_kwargs(model=model, dtype=dtype, **kwargs)
-        cfg = self.config
-        from radixlm.runtime.grammar import backend_names
+        parts = self.parts = EngineParts(self.config)
+        self.model_dir = parts.model_dir
+        self.tokenizer = parts.tokenizer
+        self.model_info = parts.model_info
+        self.device = parts.device
+        self.runner = parts.runner
+        self.max_model_len = parts.max_model_len
+        self.pool, self.cache = parts.pool, parts.cache
+        self.eos_token_ids = parts.eos_token_ids
+        self.scheduler, self.executor = parts.scheduler, parts.executor
+        self.processor, self.core = parts.processor, parts.core
+        self._loop = EngineLoop(parts)
+        self._loop.start()
 
-        if cfg.grammar_backend not in backend_names():
-            raise ValueError(
-                f"grammar_backend must be one of {backend_names()}, got {cfg.grammar_backend!r}"
-            )
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
-        self._num_threads = torch.get_num_threads()
-        self.model_dir = resolve_model_path(cfg.model)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.model_info = load_model_info(self.model_dir)
-        self.device = pick_device(cfg.device)
-        self.runner = self._make_runner()
-        if self.device.type == "cpu":
-            release_idle_teams()  # the loading thread's team; the loop thread makes its own
-        self.max_model_len = self.runner.max_model_len
-        self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
-        self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
-        eos = set(self.model_info.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = sorted(eos)
-        self.processor = OutputProcessor(
-            self.tokenizer,
-            self.eos_token_ids,
-            self.runner.vocab_size,
-            self.max_model_len,
-            self.device,
-        )
-        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
-        self.scheduler = Scheduler(
-            self.pool,
-            self.cache,
-            cfg.scheduler,
-            self.processor,
-            self.max_model_len,
-            debug_integrity=cfg.debug_integrity,
-        )
-        self.core = EngineCore(self.scheduler, self.executor, self.processor)
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._grammar: GrammarManager | None = None
-        self._grammar_lock = threading.Lock()
-        self._stopped = threading.Event()
-        # The exception that killed the step thread (None while it lives): `submit` refuses,
-        # `healthy` is False, and the server's /health fails and the process exits non-zero.
-        self.dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
-        self._thread.start()
+    @property
+    def _lock(self) -> threading.Lock:
+        return self._loop.lock
 
-    def _make_runner(self) -> Any:
-        """A `ModelRunner`, or with `tp_size > 1` rank 0's `TensorParallelRunner` (which
-        starts the other ranks and runs every forward on all of them)."""
-        cfg = self.config
-        args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
-        from radixlm.runtime.models.model_info import context_length
-
-        max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
-        if cfg.tp_size == 1:
-            return ModelRunner(
-                *args,
-                max_len,
-                model_info=self.model_info,
-                matmul_dtype=cfg.matmul_dtype,
-                enforce_eager=cfg.enforce_eager,
-                quantization=cfg.quantization,
-                quantization_group_size=cfg.quantization_group_size,
-            )
-        from radixlm.runtime.distributed.parallel_state import DistributedConfig
-        from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
-
-        dist = DistributedConfig.from_env(
-            cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr
-        )
-        if cfg.node_rank != 0:
-            raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
-        return TensorParallelRunner(
-            *args,
-            max_len,
-            dist,
-            num_threads=cfg.num_threads,
-            quantization=cfg.quantization,
-            quantization_group_size=cfg.quantization_group_size,
-        )
+    @property
+    def dead(self) -> BaseException | None:
+        """The exception that killed the loop thread (None while it lives)."""
+        return self._loop.dead
 
     @property
     def tp_size(self) -> int:
@@ -166,34 +93,8 @@ class Engine:
 
     @property
     def grammar_manager(self) -> GrammarManager:
-        """The grammar manager (compile pool + cache), created on first use: importing a
-        grammar backend costs seconds that unconstrained use should not pay. Raises
-        `ValueError` when the configured backend is not installed."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                from radixlm.runtime.constrained import GrammarStep
-                from radixlm.runtime.grammar import GrammarManager
-
-                cfg = self.config
-                try:
-                    mgr = GrammarManager(
-                        self.tokenizer,
-                        self.runner.vocab_size,
-                        self.eos_token_ids,
-                        backend=cfg.grammar_backend,
-                        timeout_s=cfg.grammar_timeout_s,
-                        jump_forward_enabled=cfg.enable_jump_forward,
-                    )
-                except ImportError as exc:
-                    raise ValueError(
-                        f"grammar backend {cfg.grammar_backend!r} is not installed "
-                        f"(pip install 'radixlm[grammar]'): {exc}"
-                    ) from None
-                step = GrammarStep(mgr, self.device)
-                self.processor.set_grammar(step)
-                self.executor.set_grammar(step)
-                self._grammar = mgr
-            return self._grammar
+        """The grammar manager, created on first use (see `EngineParts.grammar_manager`)."""
+        return self.parts.grammar_manager
 
     def submit(
         self,
@@ -211,7 +112,7 @@ class Engine:
         Raises `EngineDeadError` when the engine is shut down or its thread died. Validating a
         constraint may take a while (schema checks, regex parsing): call off an event loop.
         """
-        if self._stopped.is_set() or self.dead is not None:
+        if self._loop.stopped.is_set() or self.dead is not None:
             raise EngineDeadError(self._dead_message())
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
@@ -234,9 +135,9 @@ class Engine:
             except ValueError as exc:  # GrammarError, or the backend is not installed
                 raise RequestValidationError(str(exc), "constraint") from exc
             req.grammar_future = mgr.submit(params.constraint)
-            req.grammar_future.add_done_callback(lambda _: self._inbox.put(("wake", None)))
-        self.processor.init_request(req)
-        self._inbox.put(("add", req))
+            req.grammar_future.add_done_callback(lambda _: self._loop.put("wake"))
+        self.parts.appender.init_request(req)
+        self._loop.put("add", req)
         return req.request_id
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -264,10 +165,10 @@ class Engine:
     @property
     def num_queued(self) -> int:
         """Requests submitted and not yet running (O(1), no lock: a momentary estimate)."""
-        return self._inbox.qsize() + len(self.scheduler.waiting)
+        return self._loop.inbox.qsize() + len(self.scheduler.waiting)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._loop.put("abort", request_id)
 
     # ---- sync API -----------------------------------------------------------------------------
 
@@ -362,7 +263,7 @@ class Engine:
     @property
     def healthy(self) -> bool:
         """The step thread is alive and the engine is not shut down."""
-        return self.dead is None and not self._stopped.is_set() and self._thread.is_alive()
+        return self._loop.alive
 
     def _dead_message(self) -> str:
         if self.dead is not None:
@@ -374,7 +275,7 @@ class Engine:
         waits for (or slows) a step. Fields are read one by one, so a snapshot taken during a
         step may mix before/after values."""
         s = self.scheduler
-        g = self.processor.grammar
+        g = self.parts.appender.grammar
         hit, queried = self.cache.hit_counters()
         return EngineStats(
             num_running=len(s.running),
@@ -395,6 +296,9 @@ class Engine:
             num_jump_forward_tokens=g.num_jump_forward_tokens if g else 0,
             last_step_tokens=s.last_step.num_tokens,
             last_step_seconds=s.last_step.step_seconds,
+            spec_draft_tokens=s.num_draft_tokens,
+            spec_accepted_tokens=s.num_accepted_draft_tokens,
+            verifier_events=g.verifier_events() if g else {},
         )
 
     def snapshot(self, options: SnapshotOptions | None = None) -> EngineSnapshot:
@@ -417,108 +321,29 @@ class Engine:
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request is running or waiting (and the inbox is drained)."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                if self._inbox.empty() and not self.scheduler.has_work():
+                if self._loop.inbox.empty() and not self.scheduler.has_work():
                     return True
             if deadline is not None and time.monotonic() > deadline:
                 return False
             time.sleep(0.005)
 
     def shutdown(self) -> None:
-        if self._stopped.is_set():
+        if self._loop.stopped.is_set():
             return
-        self._stopped.set()
-        self._inbox.put(("stop", None))
-        self._thread.join(timeout=30)
+        self._loop.stop()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
-        if self._grammar is not None:
-            self._grammar.shutdown()
+        if self.parts.grammar is not None:
+            self.parts.grammar.shutdown()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-    # ---- loop thread --------------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        if self.device.type == "cpu":
-            cpus = pin_forward_threads(self._num_threads)
-            logger.info("forward on %d threads, pinned to CPUs %s", self._num_threads, cpus)
-        else:
-            torch.set_num_threads(self._num_threads)
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - recorded; the server exits non-zero
-            self.dead = exc
-            logger.critical("the engine thread died", exc_info=exc)
-            self._fail_everything(f"the engine died: {type(exc).__name__}: {exc}")
-
-    def _fail_everything(self, message: str) -> None:
-        """Best effort after the thread died: tell every queued and running request."""
-        try:
-            while True:
-                kind, arg = self._inbox.get_nowait()
-                if kind == "add":
-                    self.processor.fail(arg, message)
-        except queue.Empty:
-            pass
-        except Exception:  # noqa: BLE001
-            logger.exception("could not fail the queued requests")
-        try:
-            self.scheduler.fail_all(message)
-            self.processor.drain()
-        except Exception:  # noqa: BLE001
-            logger.exception("could not fail the running requests")
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            # NOTE: requests waiting only for a grammar compile do not spin the loop; the
-            # compile's completion puts a "wake" command in the inbox.
-            block = not self.scheduler.has_ready_work()
-            try:
-                cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                cmd = None
-            with self._lock:
-                while cmd is not None:
-                    self._apply(cmd)
-                    try:
-                        cmd = self._inbox.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if self.scheduler.has_ready_work() and not self._stopped.is_set():
-                    self._step()
-        with self._lock:
-            for req in [*self.scheduler.running, *self.scheduler.waiting]:
-                self.scheduler.abort(req.request_id)
-            self.processor.drain()
-
-    def _apply(self, cmd: tuple[str, Any]) -> None:
-        kind, arg = cmd
-        if kind == "add":
-            self.scheduler.add_request(arg)
-            self.processor.drain()
-        elif kind == "abort":
-            self.scheduler.abort(arg)
-            self.processor.drain()
-
-    def _step(self) -> None:
-        try:
-            self.core.step()
-        except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
-            # NOTE: the core fails a failed batch's own requests and the scheduler a request
-            # that fails its own admission or page growth; what reaches here belongs to no one
-            # request: nothing to attribute it to.
-            logger.exception("scheduling failed; failing every request")
-            self.scheduler.fail_all(f"internal error: {type(exc).__name__}: {exc}")
-            self.processor.drain()
 
 
 def _result(rid: str, outs: list[Completion], last: RequestOutput | None) -> GenerateResult:

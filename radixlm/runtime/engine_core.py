@@ -1,18 +1,18 @@
-"""EngineCore: one engine step, on the engine's loop thread.
+"""EngineCore: one engine step, on the engine's loop thread. The step is four lines, each
+doing only what it says:
 
 ```
-batch = scheduler.schedule()          # admit (LPM + aging), chunk prefill, decode, retract, fork
-out   = executor.run(batch)           # forward + masks + sampling: StepOutput
-scheduler.update(batch, out)          # tokens appended, pages inserted into the radix tree
-processor.drain()                     # stop strings, detokenize, emit
+batch  = scheduler.schedule()          # plan: admit (LPM + aging), chunk, decode, retract, fork
+out    = executor.run(batch)           # compute: forward + masks + sampling -> StepOutput
+result = scheduler.update(batch, out)  # sequence state: tokens appended, stops, pages released
+processor.emit(result)                 # output state: deltas to the requests' sinks
 ```
 
-The scheduler and the output processor own request state; the executor owns the device.
-
-Faults are attributed to requests: sampling, grammar and detokenization errors of one request
-fail that request (executor / output processor). If the step itself fails (the forward), each
-of its requests is run alone to find the one(s) that fail it; they are failed and the step is
-run again without them. A step that still fails fails its own requests, never the others.
+Failures are values on the same path: a request `schedule` cannot schedule rides in
+`batch.failed`; sampling errors of one request in `StepOutput.errors`; a forward that fails is
+attributed by running each request alone (`_compute`): the culprits are dropped from the batch
+(`StepOutput.dropped`) and the rest runs again; if it still fails, `StepOutput.batch_error`
+fails that step's requests, never the others.
 """
 
 from __future__ import annotations
@@ -36,17 +36,14 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if batch:
-            try:
-                batch, out = self._run(batch)
-                if batch:
-                    self.scheduler.update(batch, out)
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                logger.exception("engine step failed; failing the requests of that step")
-                self.scheduler.fail_batch(batch, f"internal error: {type(exc).__name__}: {exc}")
-        return self.processor.drain()
+        batch, out = self._compute(batch)
+        result = self.scheduler.update(batch, out)
+        return self.processor.emit(result)
 
-    def _run(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
+    def _compute(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, StepOutput]:
+        """`executor.run(batch)`, with a failing forward attributed to its requests."""
+        if not batch:
+            return batch, StepOutput()
         try:
             return batch, self.executor.run(batch)
         except Exception:  # noqa: BLE001 - attribute it below
@@ -58,11 +55,18 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - this request's forward
                 culprits.append(item.req)
                 error = exc
+        dropped: list = []
         if culprits:
             logger.error("failing %d request(s) whose forward fails: %r", len(culprits), error)
-            batch = self.scheduler.without(
-                batch, culprits, f"internal error in the forward: {error!r}"
-            )
+            batch, removed = batch.without(culprits)
+            message = f"internal error in the forward: {error!r}"
+            dropped = [(r, message) for r in removed]
             if not batch:
-                return batch, StepOutput([], [])
-        return batch, self.executor.run(batch)  # raises again: `step` fails the batch
+                return batch, StepOutput(dropped=dropped)
+        try:
+            out = self.executor.run(batch)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            logger.exception("engine step failed; failing the requests of that step")
+            out = StepOutput(batch_error=f"internal error: {type(exc).__name__}: {exc}")
+        out.dropped = dropped
+        return batch, out

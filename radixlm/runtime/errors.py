@@ -17,3 +17,9 @@ class RequestValidationError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine's step thread has died (or the engine is shut down): nothing more will run."""
+
+
+class ConfigError(ValueError):
+    """A configuration the engine cannot run (a bad knob, or a model/parallelism mismatch such
+    as a tensor-parallel size that does not divide the heads); raised before anything starts.
+    The CLI prints it as one line and exits 2."""

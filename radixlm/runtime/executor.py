@@ -2,25 +2,32 @@
 logprobs of one step; the one place where CPU and GPU differ (CUDA graphs will live here).
 
 The executor reads requests (token ids, pages, params, matchers) but changes none of them: the
-scheduler and the output processor own request state (`scheduler.update`). Its own state is the
-persistent page table (`PageTable`): a request's row is written once and then only extended,
-so a decode step does not rebuild its metadata from Python lists.
+scheduler and the output processor own request state. Its own state is the persistent page
+table (`PageTable`: a request's row is written once and then only extended, so a decode step
+does not rebuild its metadata from Python lists) and the seeded requests' generators.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch
-from radixlm.runtime.batch import ScheduledBatch, StepOutput
+from radixlm.runtime.batch import SampleError, ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
-from radixlm.runtime.sampler import Sampler, SamplingBatchInfo, min_tokens_suppress_ids
+from radixlm.runtime.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    make_generator,
+    min_tokens_suppress_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +93,8 @@ def build_forward_batch(
     batch: ScheduledBatch, table: PageTable, page_size: int, device: torch.device
 ) -> tuple[ForwardBatch, list[int], list[range]]:
     """The ragged `ForwardBatch` of `batch`; the logits row of each item's sample (-1: none);
-    and each item's prompt-logprob positions (their rows come first, in item order)."""
+    and each item's prompt-logprob positions (their rows come first, in item order). An item
+    with a draft of k tokens has k + 1 consecutive sampling rows, from its sample row on."""
     items = batch.items
     reqs = [i.req for i in items]
     rows = table.rows_for(reqs)
@@ -99,13 +107,16 @@ def build_forward_batch(
     offset = 0
     for item, start in zip(items, prefix):
         req = item.req
-        ids.extend(req.token_ids[start : start + item.num_tokens])
-        pos = req.prompt_logprob_positions(start, item.num_tokens)
+        ids.extend(req.token_ids[start : start + item.num_known])
+        ids.extend(item.draft)
+        pos = req.prompt_logprob_positions(start, item.num_known)
         lp_positions.append(pos)
         logits_rows.extend(offset + p - start for p in pos)
-        if start + item.num_tokens == req.num_tokens:
+        if item.samples:
+            # One row after the last known token, then one after each draft token.
             sample_row.append(len(logits_rows))
-            logits_rows.append(offset + item.num_tokens - 1)
+            last = offset + item.num_known - 1
+            logits_rows.extend(range(last, last + 1 + len(item.draft)))
         else:
             sample_row.append(-1)
         offset += item.num_tokens
@@ -132,7 +143,11 @@ class Executor:
         self.sampler = Sampler(seed=seed)
         self.grammar: GrammarStep | None = None
         self.page_table = PageTable()
-        self.num_forwards = 0
+        # Seeded requests' generators: sampler state, keyed by request (weakly: a finished
+        # request's generator goes with it). The executor changes no request.
+        self._generators: weakref.WeakKeyDictionary[Request, torch.Generator] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def set_grammar(self, step: GrammarStep) -> None:
         self.grammar = step
@@ -143,37 +158,89 @@ class Executor:
             batch, self.page_table, self.runner.page_size, self.device
         )
         logits = self.runner.forward(fb)  # [R, V] float32
-        self.num_forwards += 1
         if batch.page_copies:
             src, dst = zip(*batch.page_copies)
             self.runner.kv_cache.copy_pages(list(src), list(dst))
         t1 = time.perf_counter()
         prompt_lps, prompt_tops = self._prompt_logprobs(batch, logits, lp_positions)
-        rows = [sample_row[s.item] for s in batch.samples]
-        reqs = [s.req for s in batch.samples]
-        errors: dict[int, str] = {}
-        try:
-            token_ids, logprobs = self._sample(reqs, logits, rows)
-        except Exception:  # noqa: BLE001 - find the request(s) that cause it
-            logger.exception("batched sampling failed; sampling each request alone")
-            token_ids, logprobs = [], []
-            for i, req in enumerate(reqs):
-                try:
-                    [tok], [lp] = self._sample([req], logits, [rows[i]])
-                except Exception as exc:  # noqa: BLE001 - this request only
-                    errors[i] = f"internal error in sampling: {exc!r}"
-                    tok, lp = -1, None
-                token_ids.append(tok)
-                logprobs.append(lp)
+        # One sampling row per sample, k + 1 for a sample verifying a draft of k tokens: row i
+        # samples after the draft's first i tokens (which its penalties / min_tokens count).
+        rows, reqs, prefixes, spans = [], [], [], []
+        for s in batch.samples:
+            item = batch.items[s.item]
+            draft = item.draft if s.req is item.req else []
+            spans.append((len(rows), draft))
+            for i in range(len(draft) + 1):
+                rows.append(sample_row[s.item] + i)
+                reqs.append(s.req)
+                prefixes.append(draft[:i])
+        toks, lps, row_errors = self._sample_rows(reqs, logits, rows, prefixes)
+        token_ids, logprobs, errors, accepted = [], [], {}, {}
+        for j, (start, draft) in enumerate(spans):
+            span = range(start, start + len(draft) + 1)
+            failed = [row_errors[r] for r in span if r in row_errors]
+            if failed:
+                errors[j] = failed[0]
+            # Rejection sampling for a deterministic draft: sample each row from the target
+            # distribution; draft token i stands while it equals row i's sample; the first
+            # sample that differs (or the one after the whole draft) is the next token.
+            a = 0
+            while a < len(draft) and toks[start + a] == draft[a]:
+                a += 1
+            token_ids.append(toks[start + a])
+            logprobs.append(lps[start + a])
+            if draft:
+                accepted[j] = (draft[:a], lps[start : start + a])
         return StepOutput(
             token_ids=token_ids,
             logprobs=logprobs,
+            accepted=accepted,
             prompt_logprobs=prompt_lps,
             prompt_top_logprobs=prompt_tops,
             forward_seconds=t1 - t0,
             sample_seconds=time.perf_counter() - t1,
             errors=errors,
         )
+
+    def _sample_rows(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        rows: list[int],
+        prefixes: list[list[int]],
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, SampleError]]:
+        """`_sample` over all rows; if it raises, row by row, so that only the rows (requests)
+        that fail sampling fail."""
+        try:
+            return self._sample(reqs, logits, rows, prefixes)
+        except Exception:  # noqa: BLE001 - find the request(s) that cause it
+            logger.exception("batched sampling failed; sampling each request alone")
+        toks: list[int] = []
+        lps: list[TokenLogprob | None] = []
+        errors: dict[int, SampleError] = {}
+        for i, req in enumerate(reqs):
+            try:
+                [tok], [lp], failed = self._sample([req], logits, [rows[i]], [prefixes[i]])
+                if failed:
+                    errors[i] = failed[0]
+            except Exception as exc:  # noqa: BLE001 - this request only
+                errors[i] = SampleError(f"internal error in sampling: {exc!r}")
+                tok, lp = -1, None
+            toks.append(tok)
+            lps.append(lp)
+        return toks, lps, errors
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """The request's own generator when it is seeded (branch `index` seeded `seed +
+        index`), created at its first sample and advanced by each of its samples."""
+        seed = req.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(req)
+        if gen is None:
+            gen = make_generator((seed + req.index) % (1 << 64), self.device)
+            self._generators[req] = gen
+        return gen
 
     def probe(self, batch: ScheduledBatch) -> None:
         """Only the forward of `batch` (no sampling, no page copies, nothing recorded): to
@@ -204,22 +271,27 @@ class Executor:
                         for ids, vals in zip(top.indices.tolist(), top.values.tolist())
                     ]
                 row += len(pos)
-            if item.req.num_computed_tokens + item.num_tokens == item.req.num_tokens:
-                row += 1  # its sampling row
+            if item.samples:
+                row += 1 + len(item.draft)  # its sampling rows
         return out, tops
 
     def _sample(
-        self, reqs: list[Request], logits: torch.Tensor, rows: list[int]
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        rows: list[int],
+        prefixes: list[list[int]],
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, SampleError]]:
         """One token per request from `logits[rows[i]]`: grammar masks, min-token suppression,
-        penalties, the sampler; logprobs of the raw (unmasked) model distribution."""
+        penalties, the sampler, the verifier's resampling (`GrammarStep.verify`); logprobs of
+        the raw (unmasked) model distribution; the requests that must fail."""
         if not reqs:
-            return [], []
+            return [], [], {}
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
-        params = [r.params for r in reqs]
         suppress = [
-            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens) for r in reqs
+            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens + len(p))
+            for r, p in zip(reqs, prefixes)
         ]
         raw = None
         if self.grammar is not None and any(r.grammar is not None for r in reqs):
@@ -228,12 +300,42 @@ class Executor:
             # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
             # output or the row gather above), read by nothing else.
             suppress = self.grammar.mask(reqs, logits, suppress)
+        tokens, lps = self._draw(reqs, logits, suppress, raw, prefixes)
+        errors: dict[int, SampleError] = {}
+        if self.grammar is not None and any(r.grammar is not None for r in reqs):
+
+            def redraw(i: int) -> tuple[int, TokenLogprob | None]:
+                one = slice(i, i + 1)
+                row_raw = None if raw is None else raw[one]
+                [tok], [lp] = self._draw(
+                    [reqs[i]], logits[one], [suppress[i]], row_raw, [prefixes[i]]
+                )
+                return tok, lp
+
+            errors = self.grammar.verify(reqs, logits, tokens, lps, redraw)
+        return tokens, lps, errors
+
+    def _draw(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        suppress: list[list[int]],
+        raw: torch.Tensor | None,
+        prefixes: list[list[int]],
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The sampler on (masked) ``logits`` ``[len(reqs), V]``; logprobs from ``raw``. Row
+        i's output counts (penalties) include ``prefixes[i]``, the draft tokens before it."""
+        params = [r.params for r in reqs]
         needs_hist = any(p.needs_penalties for p in params)
+        counts = [
+            (r.output_counts + Counter(p) if p else r.output_counts) if needs_hist else ()
+            for r, p in zip(reqs, prefixes)
+        ]
         info = SamplingBatchInfo.build(
             params,
-            [r.generator for r in reqs],
+            [self._generator(r) for r in reqs],
             [r.prompt_token_set if needs_hist else () for r in reqs],
-            [r.output_counts if needs_hist else () for r in reqs],
+            counts,
             self.vocab_size,
             logits.device,
             suppress_token_ids=suppress,

@@ -112,3 +112,9 @@ class EngineStats:
     num_jump_forward_tokens: int  # output tokens appended by jump-forward, without a forward
     last_step_tokens: int
     last_step_seconds: float
+    # Speculative decoding: draft tokens verified, and those accepted (acceptance rate = ratio).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    # Grammar verifier (schemas beyond context-free), per keyword: {"masked", "resampled",
+    # "dead_ends"} counts (``constrained.KeywordStats``).
+    verifier_events: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -22,12 +22,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from radixlm.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from radixlm.runtime.grammar import CompiledGrammar, GrammarMatcher
+    from radixlm.runtime.grammar.base import CompiledGrammar, GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +69,18 @@ OutputSink = Callable[[RequestOutput], None]
 
 @dataclass(eq=False)
 class Request:
+    """One sequence. Who writes which field (enforced by tests/runtime/test_ownership.py):
+
+    - identity and params: set at construction (the front end, or the scheduler's fork of a
+      branch), with `grammar_future`, `sink` and `detokenizer` attached before it is queued;
+      read-only afterwards;
+    - sequence and page state (`SEQUENCE_FIELDS`): the scheduler package alone
+      (`radixlm/runtime/scheduler/`);
+    - output state (`OUTPUT_FIELDS`): the output processor alone.
+
+    The executor writes nothing (a seeded request's generator is the executor's own state).
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -79,6 +89,7 @@ class Request:
     index: int = 0  # branch index within an n > 1 group
     arrival_time: float = field(default_factory=time.monotonic)
 
+    # ---- sequence and page state: the scheduler's --------------------------------------------
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     pages: list[int] = field(default_factory=list)
@@ -93,11 +104,10 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit of the first admission (reported in usage)
     admitted_once: bool = False
     num_retractions: int = 0
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
-    # Occurrences of each token in the output, kept by the output processor as tokens are
-    # appended (penalties read it instead of recounting the whole output every step).
+    # Occurrences of each token in the output, kept as tokens are appended (penalties read it
+    # instead of recounting the whole output every step).
     output_counts: Counter[int] = field(default_factory=Counter, repr=False)
-    generator: torch.Generator | None = None
+    # The incremental detokenizer: it finds stop strings, which end the sequence.
     detokenizer: Any = None
     # n > 1: branches still to fork from this request once its prompt is computed.
     pending_forks: int = 0
@@ -107,6 +117,9 @@ class Request:
     grammar: GrammarMatcher | None = field(default=None, repr=False)
     _prompt_page_hashes: list[int] | None = field(default=None, repr=False)
     _prompt_token_set: frozenset[int] | None = field(default=None, repr=False)
+
+    # ---- output state: the output processor's -----------------------------------------------
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # logprob_start_len >= 0: entry j is the logprob of prompt token (start + j); None for
     # position 0 (nothing predicts it).
     prompt_logprobs: list[float | None] | None = None
@@ -188,3 +201,30 @@ class Request:
     def pages_needed(self, num_tokens: int, page_size: int) -> int:
         """Extra pages to hold `num_tokens` tokens in total."""
         return max(0, -(-num_tokens // page_size) - len(self.pages))
+
+
+SEQUENCE_FIELDS = frozenset(
+    {
+        "token_ids",
+        "num_computed_tokens",
+        "pages",
+        "page_gen",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "error",
+        "error_code",
+        "num_cached_tokens",
+        "admitted_once",
+        "num_retractions",
+        "output_counts",
+        "detokenizer",
+        "pending_forks",
+        "first_token_time",
+        "finish_time",
+        "grammar",
+        "_prompt_page_hashes",
+        "_prompt_token_set",
+    }
+)
+OUTPUT_FIELDS = frozenset({"output_logprobs", "prompt_logprobs", "prompt_top_logprobs"})

@@ -22,10 +22,9 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from radixlm.runtime.grammar.base import Constraint
+from radixlm.runtime.grammar.constraint import Constraint
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
@@ -217,8 +216,6 @@ class SamplingParams:
     def _normalize_constraint(value: Any) -> Constraint | None:
         if value is None:
             return None
-        from radixlm.runtime.grammar.base import Constraint
-
         if isinstance(value, Constraint):
             return value
         if isinstance(value, Mapping):

@@ -13,6 +13,6 @@ error bodies), `metrics`, `app` (`create_app`), `launch` (uvicorn runner).
 from __future__ import annotations
 
 from radixlm.server.app import create_app
-from radixlm.server.serving import ServerConfig
+from radixlm.server.server_config import ServerConfig
 
 __all__ = ["create_app", "ServerConfig"]

@@ -13,10 +13,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import radixlm
 from radixlm.runtime.engine import Engine
 from radixlm.server import control_api, dashboard, native_api, openai_api, router_api
+from radixlm.server.client import EngineClient
 from radixlm.server.errors import ApiError, OrjsonResponse, install_error_handlers
 from radixlm.server.limits import BodyGuard
 from radixlm.server.metrics import ServerMetrics
-from radixlm.server.serving import ClientDisconnected, EngineClient, ServerConfig
+from radixlm.server.server_config import ServerConfig
+from radixlm.server.serving import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 

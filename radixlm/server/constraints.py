@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.concurrency import run_in_threadpool
 
-from radixlm.runtime.grammar.base import Constraint, GrammarError, Whitespace
+from radixlm.runtime.grammar.constraint import Constraint, Whitespace
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.server.errors import ApiError
 
 if TYPE_CHECKING:

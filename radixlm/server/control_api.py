@@ -101,6 +101,7 @@ def get_server_info(request: Request, check_integrity: bool = False) -> Response
             "engine_alive": engine.healthy,
             "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
+            "tp_size": engine.tp_size,
             # the resident size of this rank's weights (quantized, prepacked or float)
             "weight_bytes": getattr(engine.runner, "weight_bytes", None),
             "linears": getattr(engine.runner, "linear_method", None),

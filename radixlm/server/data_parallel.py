@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixlm.server.serving import ServerConfig
+from radixlm.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def router_command() -> list[str]:
         import smg  # noqa: F401
     except ImportError:
         raise RuntimeError(
-            "--dp-size needs the router: pip install 'smg==1.13.0' (or radixlm[server])"
+            "--dp-size needs the router: pip install 'smg==1.13.0' (or radixlm[router])"
         ) from None
     return [sys.executable, "-m", "smg"]
 

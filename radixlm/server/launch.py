@@ -18,7 +18,8 @@ from typing import Any
 
 import uvicorn
 
-from radixlm.server.serving import EngineClient, ServerConfig
+from radixlm.server.client import EngineClient
+from radixlm.server.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixlm.runtime.grammar.base import GrammarError
-from radixlm.runtime.grammar.strict import check_json_shape
+from radixlm.runtime.grammar.errors import GrammarError
+from radixlm.runtime.grammar.schema_text import check_json_shape
 from radixlm.server.errors import ApiError
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

@@ -65,6 +65,16 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        verifier = CounterMetricFamily(
+            f"{PREFIX}_grammar_verifier_events",
+            "Sampled tokens the JSON-schema verifier refused (masked), redraws after them "
+            "(resampled), and rows left with no allowed token (dead_ends), per keyword",
+            labels=["keyword", "event"],
+        )
+        for keyword, events in sorted(s.verifier_events.items()):
+            for event, count in events.items():
+                verifier.add_metric([keyword, event], count)
+        yield verifier
         gauges = {
             "cache_hit_rate": (
                 "Radix cache hit rate (hit / queried prompt tokens)",

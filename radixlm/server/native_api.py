@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from radixlm.runtime.outputs import Completion, sglang_finish_reason
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.server.client import EngineClient
 from radixlm.server.constraints import RequestConstraint, make_constraint
 from radixlm.server.errors import ApiError
 from radixlm.server.limits import (
@@ -52,7 +53,6 @@ from radixlm.server.protocol import (
 from radixlm.server.request_group import GenerationRequest, RequestGroup
 from radixlm.server.serving import (
     SSE_DONE,
-    EngineClient,
     engine_client,
     error_event,
     respond,

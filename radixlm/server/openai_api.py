@@ -13,6 +13,7 @@ from starlette.responses import Response
 from radixlm.runtime.outputs import Completion
 from radixlm.runtime.request import RequestOutput, TokenLogprob
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.server.client import EngineClient
 from radixlm.server.constraints import RequestConstraint, make_constraint
 from radixlm.server.errors import ApiError, OrjsonResponse
 from radixlm.server.limits import (
@@ -26,7 +27,6 @@ from radixlm.server.protocol import ChatCompletionRequest, CompletionRequest, St
 from radixlm.server.request_group import GenerationRequest, RequestGroup
 from radixlm.server.serving import (
     SSE_DONE,
-    EngineClient,
     engine_client,
     error_event,
     respond,
@@ -241,7 +241,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         "cannot be true together with continue_final_message",
     )
     client.check_n(body.n)
-    tools = await tool_request(client, body)
+    tools = await tool_request(client.engine, client.config, body)
     constraint = tools.constraint if tools and tools.constraint else _constraint(client, body)
     messages = [_message_dict(m) for m in body.messages]
     total = "".join(m["content"] for m in messages)

@@ -6,19 +6,28 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from radixlm.runtime.errors import EngineDeadError, RequestValidationError
 from radixlm.runtime.request import RequestOutput
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.server.constraints import RequestConstraint
 from radixlm.server.errors import ApiError
+from radixlm.server.metrics import ServerMetrics
 
-if TYPE_CHECKING:
-    from radixlm.server.serving import EngineClient
+
+class GroupHost(Protocol):
+    """What a group needs from the client that submits it (`EngineClient`): the engine, the
+    table of active requests, the metrics, and the bounded call into `Engine.submit`."""
+
+    engine: Any
+    active: dict[str, RequestGroup]
+    metrics: ServerMetrics
+
+    async def run_bounded(self, call: Callable[[], str], request_id: str) -> str: ...
 
 
 @dataclass
@@ -70,7 +79,7 @@ class RequestGroup:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: GroupHost,
         reqs: Sequence[GenerationRequest],
         timeout_s: float | None = None,
     ) -> None:

@@ -26,6 +26,7 @@ from radixlm.server.constraints import RequestConstraint, check_constraint, make
 from radixlm.server.errors import ApiError
 from radixlm.server.limits import check_constraint_size
 from radixlm.server.protocol import ChatCompletionRequest, ChatTool
+from radixlm.server.server_config import ServerConfig
 from radixlm.tool_calls import (
     NAME_PATTERN,
     ParsedDelta,
@@ -36,7 +37,7 @@ from radixlm.tool_calls import (
 )
 
 if TYPE_CHECKING:
-    from radixlm.server.serving import EngineClient
+    from radixlm.runtime.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,9 @@ def _tool_dict(tool: ChatTool) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> ToolRequest | None:
+async def tool_request(
+    engine: Engine, cfg: ServerConfig, body: ChatCompletionRequest
+) -> ToolRequest | None:
     """Validate `tools` / `tool_choice` / `parallel_tool_calls` (400s name the field) and build
     the constraint; None when the request has no tools."""
     choice = body.tool_choice
@@ -115,7 +118,6 @@ async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> Too
         lax = lax or tool not in allowed
         any_lax = any_lax or (lax and tool in allowed)
         params = tools[i]["function"]["parameters"]
-        cfg = client.config
         check_constraint_size(
             params,
             f"tools[{i}].function.parameters",
@@ -126,7 +128,7 @@ async def tool_request(client: EngineClient, body: ChatCompletionRequest) -> Too
         rc = make_constraint(
             "json_schema", params, f"tools[{i}].function.parameters", best_effort=lax, **kw
         )
-        await check_constraint(client.engine, rc)
+        await check_constraint(engine, rc)
     named = body.tool_choice if not isinstance(body.tool_choice, str) else None
     spec = tool_calls_spec(tools, named.model_dump() if named else mode, body.parallel_tool_calls)
     if spec is None:

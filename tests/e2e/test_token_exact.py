@@ -16,6 +16,10 @@ CONFIGS = {
     "nocache-nochunk": dict(enable_prefix_caching=False, chunked_prefill_size=None),
     # 48 pages x 16 = 768 token slots for ~3300 tokens of work: forces eviction and retraction.
     "cache-retract": dict(enable_prefix_caching=True, chunked_prefill_size=64, num_pages=48),
+    # Speculative decoding (prompt-lookup drafts verified in the forward): the same tokens.
+    "cache-spec-ngram": dict(
+        enable_prefix_caching=True, chunked_prefill_size=128, speculative_algorithm="ngram"
+    ),
 }
 
 
@@ -37,6 +41,8 @@ def test_greedy_matches_transformers(name, default_model_dir, mixed_prompts, hf_
         stats = engine.stats()
         if name == "cache-retract":
             assert stats.num_retractions > 0
+        if "spec" in name:
+            assert stats.spec_accepted_tokens > 0, stats
         if name.startswith("cache"):
             assert stats.cache_hit_tokens > 0
         else:

@@ -307,3 +307,28 @@ def test_integrity_catches_injected_corruption(name: str) -> None:
     CORRUPTIONS[name](cache)
     with pytest.raises(AssertionError):
         cache.check_integrity()
+
+
+def test_continuation_follows_the_most_recent_branch_after_the_whole_sequence():
+    pool = BlockPool(32, 2)
+    cache = RadixCache(pool)
+
+    def cached(tokens: list[int]) -> None:
+        held = cache.match_prefix(tokens).pages
+        pages = pool.alloc(len(tokens) // 2 - len(held))
+        cache.insert(tokens, held + pages)
+        pool.decref(pages)
+
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    cached(a)
+    assert cache.continuation([1, 2, 3], 10) == [4, 5, 6, 7, 8]  # inside a node, mid-page
+    assert cache.continuation([1, 2, 3, 4], 2) == [5, 6]
+    assert cache.continuation([1, 2, 9], 4) == []  # not all held
+    assert cache.continuation(a, 4) == []  # nothing after it
+    cached([1, 2, 3, 4, 9, 9, 10, 11])
+    assert cache.continuation([1, 2, 3, 4], 10) == [9, 9, 10, 11]  # the most recent branch
+    assert cache.continuation([1, 2, 3, 4, 9], 10) == [9, 10, 11]
+    cache.match_prefix(a)
+    assert cache.continuation([1, 2, 3, 4], 10) == [5, 6, 7, 8]
+    assert cache.continuation([1, 2, 3, 4], 10, namespace="other") == []
+    cache.check_integrity()

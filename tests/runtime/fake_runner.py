@@ -60,11 +60,14 @@ def attach_core(scheduler, runner: FakeRunner, grammar=None):
     fake runner) and a `runner` attribute; returns the scheduler."""
     from radixlm.runtime.engine_core import EngineCore
     from radixlm.runtime.executor import Executor
+    from radixlm.runtime.output_processor import OutputProcessor
 
     executor = Executor(runner, [EOS], seed=0)
     if grammar is not None:
         executor.set_grammar(grammar)
-    core = EngineCore(scheduler, executor, scheduler.processor)
+    processor = OutputProcessor()
+    core = EngineCore(scheduler, executor, processor)
+    scheduler.processor = processor
     scheduler.runner = runner
     scheduler.executor = executor
     scheduler.step = core.step

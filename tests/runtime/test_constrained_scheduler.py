@@ -13,18 +13,13 @@ from fake_runner import EOS, VOCAB, FakeRunner, attach_core
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
-from radixlm.runtime.grammar import (
-    CompiledGrammar,
-    Constraint,
-    GrammarBackend,
-    GrammarManager,
-    TokenVocab,
-    get_backend,
-)
-from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.grammar.base import CompiledGrammar, GrammarBackend, get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.scheduler import Scheduler, TokenAppender
 
 FIRST = 3  # ids 0..2 are special (EOS = 2); id t >= 3 spells chr(0x30 + t - 3): "0".."l"
 
@@ -69,10 +64,10 @@ def make(mgr: GrammarManager, num_pages: int = 64, page_size: int = 4, **cfg) ->
     runner = FakeRunner(num_pages, page_size)
     pool = BlockPool(num_pages, page_size)
     cache = RadixCache(pool)
-    proc = OutputProcessor(None, [EOS], VOCAB, 4096, runner.device)
+    appender = TokenAppender(None, [EOS], 4096)
     step = GrammarStep(mgr, runner.device)
-    proc.set_grammar(step)
-    s = Scheduler(pool, cache, SchedulerConfig(**cfg), proc, 4096, debug_integrity=True)
+    appender.set_grammar(step)
+    s = Scheduler(pool, cache, SchedulerConfig(**cfg), appender, 4096, debug_integrity=True)
     return attach_core(s, runner, grammar=step)
 
 
@@ -127,7 +122,7 @@ def test_output_matches_and_jump_forward_extends(jump_forward):
     if jump_forward:
         # prefill; extend "bc" + the sampled "a"; extend the digit + "defgh"
         assert sizes == [5, 3, 6]
-        assert s.processor.grammar.num_jump_forward_tokens == 7
+        assert s.appender.grammar.num_jump_forward_tokens == 7
     else:
         assert sizes == [5] + [1] * 9
     assert s.num_forwards == len(sizes)

@@ -10,7 +10,8 @@ import torch
 
 from radixlm.cli import add_engine_args, engine_kwargs
 from radixlm.config import EngineConfig
-from radixlm.runtime.grammar import Constraint, allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.constraint import Constraint
 from radixlm.runtime.sampler import Sampler, SamplingBatchInfo
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ class _OnlyTokens:
         self.allowed = allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        from radixlm.runtime.grammar import fill_bitmask_tokens
+        from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
 
         fill_bitmask_tokens(bitmask, row, self.allowed)
 
@@ -104,7 +105,7 @@ def test_mask_folds_suppression_but_never_empties_a_row():
 def test_mask_works_on_inference_tensors(monkeypatch, impl):
     """The runner returns logits made under inference_mode; both apply paths mask them."""
     from radixlm.runtime import constrained
-    from radixlm.runtime.grammar import apply_token_bitmask_torch
+    from radixlm.runtime.grammar.bitmask import apply_token_bitmask_torch
 
     if impl == "torch":  # the fallback when xgrammar is not installed
         monkeypatch.setattr(constrained, "apply_token_bitmask", apply_token_bitmask_torch)

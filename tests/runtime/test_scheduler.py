@@ -9,10 +9,10 @@ from fake_runner import EOS, FakeRunner, attach_core, reference_continuation
 
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
-from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.batch import StepResult
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.scheduler import Scheduler, TokenAppender
 
 
 class Clock:
@@ -34,10 +34,10 @@ def make(
     runner = FakeRunner(num_pages, page_size)
     pool = BlockPool(num_pages, page_size)
     cache = RadixCache(pool, enabled=caching)
-    proc = OutputProcessor(None, [EOS], runner.vocab_size, max_model_len, runner.device)
+    appender = TokenAppender(None, [EOS], max_model_len)
     config = SchedulerConfig(**cfg)
     s = Scheduler(
-        pool, cache, config, proc, max_model_len, clock=clock or Clock(), debug_integrity=True
+        pool, cache, config, appender, max_model_len, clock=clock or Clock(), debug_integrity=True
     )
     return attach_core(s, runner)
 
@@ -251,8 +251,9 @@ def test_abort_frees_pages_waiting_and_running():
     for _ in range(3):
         s.step()
     assert a.status is RequestStatus.RUNNING and a.pages
-    assert s.abort("a") and s.abort("b")
-    s.processor.drain()
+    done = s.abort("a") + s.abort("b")
+    assert [r.request_id for r in done] == ["a", "b"]
+    s.processor.emit(StepResult.finished(done))
     assert a.finish_reason == "abort" and b.finish_reason == "abort"
     assert not s.has_work()
     assert_all_released(s)
@@ -331,8 +332,7 @@ def test_unforked_branches_finish_with_their_failed_or_aborted_parent():
     outs2: list = []
     waiting.sink = outs2.append
     s2.add_request(waiting)
-    s2.abort("w")
-    s2.processor.drain()
+    s2.processor.emit(StepResult.finished(s2.abort("w")))
     for got, n, reason in ((outs, 3, "error"), (outs2, 2, "abort")):
         finished = [o for o in got if o.finished]
         assert sorted(o.index for o in finished) == list(range(n))
@@ -421,14 +421,14 @@ def test_an_exception_while_scheduling_one_request_fails_only_that_request(where
 
         monkeypatch.setattr(s.cache, "match_prefix", match_prefix)
     elif where == "ensure_pages":
-        real_ensure = s._ensure_pages
+        real_grow = s.pages.try_grow
 
-        def ensure(r, total, items):  # type: ignore[no-untyped-def]
+        def grow(r, total):  # type: ignore[no-untyped-def]
             if r is bad:
                 raise RuntimeError("injected page fault")
-            return real_ensure(r, total, items)
+            return real_grow(r, total)
 
-        monkeypatch.setattr(s, "_ensure_pages", ensure)
+        monkeypatch.setattr(s.pages, "try_grow", grow)
     else:
         calls = {"n": 0}
         real_order = s.policy.order
@@ -452,4 +452,34 @@ def test_an_exception_while_scheduling_one_request_fails_only_that_request(where
         assert bad.finish_reason == "error"
         assert "internal error while scheduling this request" in bad.error
         assert "injected" in bad.error
+    assert_all_released(s)
+
+
+def test_a_fault_while_forking_fails_only_that_group(monkeypatch):
+    """Forking n > 1 branches raising (after one branch took a page): the parent and its
+    branches fail with the reason, through the step's outputs; the others run on; no leak."""
+    import radixlm.runtime.scheduler.forks as forks
+
+    rng = random.Random(21)
+    s = make(page_size=4)
+    group = req("g", prompt(rng, 10), 4, n=3)
+    other = req("o", prompt(rng, 9), 4)
+    outs: list = []
+    group.sink = outs.append
+    real = forks.make_branch
+
+    def make_branch(parent, index, init):  # type: ignore[no-untyped-def]
+        if index == 2:
+            raise RuntimeError("injected fork fault")
+        return real(parent, index, init)
+
+    monkeypatch.setattr(forks, "make_branch", make_branch)
+    s.add_request(group)
+    s.add_request(other)
+    run(s)
+    finished = sorted((o.index, o.finish_reason) for o in outs if o.finished)
+    assert finished == [(0, "error"), (1, "error"), (2, "error")]
+    assert "injected fork fault" in group.error
+    assert other.finish_reason == "length"
+    assert other.output_token_ids == reference_continuation(other.prompt_token_ids, 4)
     assert_all_released(s)

@@ -39,7 +39,7 @@ from radixlm.server.data_parallel import (  # noqa: E402
     DataParallelConfig,
     router_argv,
 )
-from radixlm.server.serving import ServerConfig  # noqa: E402
+from radixlm.server.server_config import ServerConfig  # noqa: E402
 
 API_KEY = "dp-secret"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}

@@ -7,7 +7,8 @@ import pytest
 from radixlm.cli import main as cli_main
 from radixlm.server.constraints import make_constraint
 from radixlm.server.errors import ApiError, loc_to_param
-from radixlm.server.serving import ServerConfig, sampling_params
+from radixlm.server.server_config import ServerConfig
+from radixlm.server.serving import sampling_params
 
 
 @pytest.mark.parametrize(
@@ -101,3 +102,13 @@ def test_bool_engine_flags_alone_mean_true(monkeypatch):
     assert seen["enforce_eager"] is False
     assert cli_main(["serve"]) == 0
     assert seen["enforce_eager"] is False
+
+
+def test_an_impossible_tensor_parallel_split_is_one_line_not_a_traceback(capsys):
+    """SmolLM2 has 9 attention heads: `--tp-size 2` is refused before any worker starts."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["serve", "--tp-size", "2", "--port", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "radixlm serve: error: tp_size 2 must divide the number of attention heads (9)" in err
+    assert "Traceback" not in err

@@ -100,7 +100,7 @@ async def _run_one(client: httpx.AsyncClient, spec: dict[str, Any]) -> list[str]
 
 def _reference(model_dir: Path, specs: list[dict[str, Any]]) -> dict[int, list[str]]:
     """The same requests on an in-process engine with a pool big enough for all of them."""
-    from radixlm.runtime.grammar import Constraint
+    from radixlm.runtime.grammar.constraint import Constraint
 
     engine = Engine(
         str(model_dir), dtype="float32", num_pages=2048, max_model_len=64, num_threads=1

@@ -14,7 +14,6 @@ call for the whole batch.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
@@ -23,6 +22,7 @@ from radixlm.kernels.cpu.fused import store_kv
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
+from radixlm.kernels.split_kv import num_kv_splits
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,9 @@ def choose_num_kv_splits(
     max_splits: int = 16,
     min_tokens_per_split: int = 256,
 ) -> int:
-    """Split-KV factor for one decode row: enough tasks for ~4 per thread when the decode rows
-    alone (one task each, all KV heads) do not give that, but never splits shorter than
-    `min_tokens_per_split` tokens (the partial writes and the reduce would dominate)."""
-    by_occupancy = math.ceil(4 * num_threads / max(1, num_decode))
-    by_length = seq_len // max(1, min_tokens_per_split)
-    return max(1, min(by_occupancy, by_length, max_splits))
+    """Split-KV factor for one decode row: one task per decode row (all KV heads), ~4 tasks
+    per thread wanted (`radixlm.kernels.split_kv`)."""
+    return num_kv_splits(num_decode, 4 * num_threads, seq_len, max_splits, min_tokens_per_split)
 
 
 @register_attention_backend("cpu")

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
+from radixlm.runtime.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,16 @@ class ShardSpec:
     def __post_init__(self) -> None:
         tp = self.tp_size
         if self.num_heads % tp:
-            raise ValueError(
+            raise ConfigError(
                 f"tp_size {tp} must divide the number of attention heads ({self.num_heads})"
             )
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"tp_size {tp} must divide the number of KV heads ({self.num_kv_heads}) or be a "
                 "multiple of it (KV heads are then replicated)"
             )
         if self.intermediate_size % tp:
-            raise ValueError(
+            raise ConfigError(
                 f"tp_size {tp} must divide intermediate_size ({self.intermediate_size})"
             )
 

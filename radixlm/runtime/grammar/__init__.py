@@ -1,78 +1,30 @@
-"""Structured generation: constraints, grammar backends, bitmasks, jump-forward.
+"""Structured generation: constraints, grammar backends, bitmasks, jump-forward, the verifier.
 
-Public API (the README's "Structured output" section is the user-facing description)::
+The modules, from the leaves up (each imports only those above it in this list):
+
+- ``errors``: ``GrammarError``, ``GrammarTimeoutError``.
+- ``schema_keywords``, ``schema_text``: keyword tables; a schema's shape limits and canonical
+  text. ``tool_calls`` (top level) builds on them.
+- ``constraint``: ``Constraint``, what a request's output must match (torch-free).
+- the schema pipeline: ``normalize`` (+ ``normalize_cases``), ``relax``, ``strict``,
+  ``verifier``, ``patterns``, ``formats``, ``disjoint``, ``subsume``, ``schema_merge``.
+- ``bitmask``, ``vocab``, ``base`` (matcher / compiled grammar / backend interface and the
+  backend registry), the backends (``xgrammar_backend``, ``outlines_backend``,
+  ``llguidance_backend``, ``auto_backend``; imported on first use), ``verified``,
+  ``jump_forward``, ``manager``.
+
+Use::
 
     manager = GrammarManager(tokenizer, vocab_size, eos_token_ids, backend="xgrammar")
     constraint = Constraint.from_params(json_schema=schema)      # None when unconstrained
     manager.validate(constraint)                                 # cheap; GrammarError -> 400
     future = manager.submit(constraint)                          # Future[CompiledGrammar]
-    matcher = manager.new_matcher(future.result())               # one per sequence
-    bitmask = manager.allocate_bitmask(max_batch)                # CPU int32 [B, ceil(V/32)]
+    matcher = future.result().new_matcher()                      # one per sequence
     matcher.fill_bitmask(bitmask, row)                           # per constrained row
     apply_token_bitmask(logits, bitmask, rows)                   # one batched call
     matcher.accept_token(token)                                  # after sampling
     jf = manager.jump_forward(matcher, [token], max_tokens=...)  # forced continuation
 
-Backends are chosen by name from a registry (``get_backend``); each lives in one module.
+This package's ``__init__`` imports nothing, so that the torch-free modules (``constraint``,
+``errors``) stay torch-free: import names from their modules.
 """
-
-from __future__ import annotations
-
-from radixlm.runtime.grammar.base import (
-    CONSTRAINT_KINDS,
-    MAX_JSON_WHITESPACE,
-    CompiledGrammar,
-    Constraint,
-    ConstraintKind,
-    GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    GrammarTimeoutError,
-    Whitespace,
-    backend_names,
-    get_backend,
-    register_backend,
-)
-from radixlm.runtime.grammar.bitmask import (
-    allocate_bitmask,
-    apply_token_bitmask,
-    apply_token_bitmask_torch,
-    bitmask_to_bool,
-    bitmask_width,
-    fill_bitmask_tokens,
-    is_token_allowed,
-    reset_bitmask,
-    set_bitmask_bits,
-)
-from radixlm.runtime.grammar.jump_forward import JumpForward, jump_forward
-from radixlm.runtime.grammar.manager import GrammarManager
-from radixlm.runtime.grammar.vocab import TokenVocab
-
-__all__ = [
-    "CONSTRAINT_KINDS",
-    "MAX_JSON_WHITESPACE",
-    "CompiledGrammar",
-    "Constraint",
-    "ConstraintKind",
-    "GrammarBackend",
-    "GrammarError",
-    "GrammarManager",
-    "GrammarMatcher",
-    "GrammarTimeoutError",
-    "JumpForward",
-    "TokenVocab",
-    "Whitespace",
-    "allocate_bitmask",
-    "apply_token_bitmask",
-    "apply_token_bitmask_torch",
-    "backend_names",
-    "bitmask_to_bool",
-    "bitmask_width",
-    "fill_bitmask_tokens",
-    "get_backend",
-    "is_token_allowed",
-    "jump_forward",
-    "register_backend",
-    "reset_bitmask",
-    "set_bitmask_bits",
-]

@@ -19,14 +19,13 @@ layout, so one batch can mix them.
 from __future__ import annotations
 
 from radixlm.runtime.grammar.base import (
-    CONSTRAINT_KINDS,
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     get_backend,
     register_backend,
 )
+from radixlm.runtime.grammar.constraint import CONSTRAINT_KINDS, Constraint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.vocab import TokenVocab
 
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")

@@ -36,19 +36,21 @@ import llguidance.torch as llg_torch
 import torch
 
 from radixlm.runtime.grammar.base import (
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
+    EosMatcher,
     GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
-from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.constraint import (
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.patterns import map_patterns, positive_classes
 from radixlm.runtime.grammar.strict import LLGUIDANCE_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, TRIGGER, ToolCallsSpec, call_begin
 
@@ -120,39 +122,30 @@ class LLGuidanceCompiled(CompiledGrammar):
         return LLGuidanceMatcher(self.vocab, self._template.deep_copy())
 
 
-class LLGuidanceMatcher(GrammarMatcher):
+class LLGuidanceMatcher(EosMatcher):
     def __init__(
         self, vocab: TokenVocab, matcher: llg.LLMatcher, accepted: int = 0, terminated: bool = False
     ) -> None:
-        super().__init__(vocab)
+        super().__init__(vocab, terminated)
         self._m = matcher
         self._accepted = accepted  # tokens given to llguidance (EOS excluded)
-        self._terminated = terminated
-        self._eos = frozenset(vocab.eos_token_ids)
 
     @property
-    def num_accepted(self) -> int:
-        return self._accepted + self._terminated
+    def _num_consumed(self) -> int:
+        return self._accepted
 
     def _check(self) -> None:
         if self._m.is_error():
             raise GrammarError(f"llguidance matcher error: {self._m.get_error()}")
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._terminated:
-            fill_bitmask_tokens(bitmask, row, self.vocab.eos_token_ids)
-            return
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         llg_torch.fill_next_token_bitmask(self._m, bitmask, row)
         self._check()
 
-    def accept_token(self, token_id: int) -> bool:
-        if self._terminated or not 0 <= token_id < self.vocab.vocab_size:
-            return False
-        if token_id in self._eos:
-            if not self._m.is_accepting():
-                return False
-            self._terminated = True
-            return True
+    def _accepting(self) -> bool:
+        return bool(self._m.is_accepting())
+
+    def _consume(self, token_id: int) -> bool:
         # NOTE: unlike consume_token, a refused token leaves the matcher usable.
         if self._m.try_consume_tokens([token_id]) != 1:
             self._check()
@@ -160,21 +153,10 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._accepted += 1
         return True
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
-    def is_completed(self) -> bool:
-        return self._terminated or bool(self._m.is_accepting())
-
-    def rollback(self, num_tokens: int) -> None:
-        self._check_rollback(num_tokens)
-        if num_tokens and self._terminated:
-            self._terminated = False
-            num_tokens -= 1
-        if num_tokens:
-            if not self._m.rollback(num_tokens):
-                self._check()
-            self._accepted -= num_tokens
+    def _rollback_consumed(self, num_tokens: int) -> None:
+        if not self._m.rollback(num_tokens):
+            self._check()
+        self._accepted -= num_tokens
 
     def fork(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.vocab, self._m.deep_copy(), self._accepted, self._terminated)
@@ -272,14 +254,16 @@ class LLGuidanceBackend(GrammarBackend):
             while len(self._validated) > _MAX_VALIDATED:
                 self._validated.popitem(last=False)
 
-    def compile(self, constraint: Constraint) -> LLGuidanceCompiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
         self.check_semantics(constraint)
         with self._lock:
             template = self._validated.pop(constraint, None)
         if template is None:
             template = self._build(constraint)
-        return LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
+        return with_verifier(
+            LLGuidanceCompiled(constraint, self.vocab, template, time.perf_counter() - start)
+        )
 
 
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")

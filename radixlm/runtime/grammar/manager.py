@@ -24,14 +24,13 @@ import torch
 
 from radixlm.runtime.grammar.base import (
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     GrammarMatcher,
-    GrammarTimeoutError,
     get_backend,
 )
 from radixlm.runtime.grammar.bitmask import allocate_bitmask
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError, GrammarTimeoutError
 from radixlm.runtime.grammar.jump_forward import JumpForward, jump_forward
 from radixlm.runtime.grammar.vocab import TokenVocab
 

@@ -62,6 +62,7 @@ from radixlm.runtime.grammar.schema_keywords import (
     NON_ASSERTING,
     SPEC_FORMATS,
     VALIDATION_KEYWORDS,
+    Draft,
     is_number,
     map_subschemas,
     resolve_pointer,
@@ -74,20 +75,6 @@ _MAX_DEPTH = 64
 _MAX_UNIQUE_VALUES = 4
 _MAX_UNIQUE_ARRAYS = 128
 _MAX_DISTRIBUTED_BYTES = 256 * 1024
-
-
-class Draft:
-    """The schema's draft: its keywords and validator class, and the root (for ``$ref``)."""
-
-    def __init__(self, root: Any) -> None:
-        import jsonschema
-
-        cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
-        self.keywords = frozenset(cls.VALIDATORS)
-        self.cls = cls
-        self.root = root
-        self.validator = cls(root)
-        self.ref_alone = "prefixItems" not in self.keywords  # before 2019-09: $ref hides siblings
 
 
 def _movable(root: Any) -> bool:

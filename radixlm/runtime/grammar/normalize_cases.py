@@ -30,11 +30,10 @@ from radixlm.runtime.grammar.schema_facts import (
     negation,
     required_and_forbidden,
 )
-from radixlm.runtime.grammar.schema_keywords import NON_ASSERTING
+from radixlm.runtime.grammar.schema_keywords import NON_ASSERTING, Draft
 
 if TYPE_CHECKING:
     from radixlm.runtime.grammar.disjoint import DisjointChecker
-    from radixlm.runtime.grammar.normalize import Draft
     from radixlm.runtime.grammar.subsume import SubsetChecker
 
 _MAX_DEPENDENCIES = 3

@@ -26,18 +26,21 @@ import outlines_core as oc
 import torch
 
 from radixlm.runtime.grammar.base import (
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
+    EosMatcher,
     GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
-from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens, set_bitmask_bits
+from radixlm.runtime.grammar.bitmask import set_bitmask_bits
+from radixlm.runtime.grammar.constraint import (
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import CALL_END, SEPARATOR, ToolCallsSpec, call_begin
 
@@ -109,25 +112,21 @@ class OutlinesCompiled(CompiledGrammar):
         return sorted(firsts)
 
 
-class OutlinesMatcher(GrammarMatcher):
+class OutlinesMatcher(EosMatcher):
     """A ``Guide`` plus what it cannot do: EOS acceptance, every EOS id, fork, long rollback."""
 
     def __init__(self, compiled: OutlinesCompiled) -> None:
         super().__init__(compiled.vocab)
         self._compiled = compiled
         self._tokens: list[int] = []  # accepted, EOS and the sentinel prefix excluded
-        self._terminated = False
         self._extra_eos = compiled.vocab.eos_token_ids[1:]
         self._replay([])
 
     @property
-    def num_accepted(self) -> int:
-        return len(self._tokens) + self._terminated
+    def _num_consumed(self) -> int:
+        return len(self._tokens)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._terminated:
-            fill_bitmask_tokens(bitmask, row, self.vocab.eos_token_ids)
-            return
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         words = bitmask[row]  # [W]
         if words.dtype != torch.int32 or words.device.type != "cpu" or not words.is_contiguous():
             raise ValueError("bitmask rows must be contiguous int32 CPU memory")
@@ -136,14 +135,10 @@ class OutlinesMatcher(GrammarMatcher):
         if self._extra_eos and self._guide.is_finished():
             set_bitmask_bits(bitmask, row, self._extra_eos, allowed=True)
 
-    def accept_token(self, token_id: int) -> bool:
-        if self._terminated:
-            return False
-        if token_id in self.vocab.eos_token_ids:
-            if not self._guide.is_finished():
-                return False
-            self._terminated = True
-            return True
+    def _accepting(self) -> bool:
+        return bool(self._guide.is_finished())
+
+    def _consume(self, token_id: int) -> bool:
         try:
             self._guide.advance(token_id, return_tokens=False)
         except (ValueError, OverflowError):
@@ -151,19 +146,7 @@ class OutlinesMatcher(GrammarMatcher):
         self._tokens.append(token_id)
         return True
 
-    def is_terminated(self) -> bool:
-        return self._terminated
-
-    def is_completed(self) -> bool:
-        return self._terminated or bool(self._guide.is_finished())
-
-    def rollback(self, num_tokens: int) -> None:
-        self._check_rollback(num_tokens)
-        if num_tokens and self._terminated:
-            self._terminated = False
-            num_tokens -= 1
-        if not num_tokens:
-            return
+    def _rollback_consumed(self, num_tokens: int) -> None:
         if num_tokens <= self._guide.get_allowed_rollback():
             self._guide.rollback_state(num_tokens)
             del self._tokens[-num_tokens:]
@@ -264,7 +247,7 @@ class OutlinesBackend(GrammarBackend):
         except ValueError as exc:
             raise GrammarError(f"invalid regex: {exc}") from None
 
-    def compile(self, constraint: Constraint) -> OutlinesCompiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
         self.check_semantics(constraint)
         regex = self.regex(constraint)
@@ -281,4 +264,6 @@ class OutlinesBackend(GrammarBackend):
         except ValueError as exc:
             raise GrammarError(f"cannot compile {constraint.kind}: {exc}") from None
         elapsed = time.perf_counter() - start
-        return OutlinesCompiled(constraint, self.vocab, anchored, index, prefix, elapsed)
+        return with_verifier(
+            OutlinesCompiled(constraint, self.vocab, anchored, index, prefix, elapsed)
+        )

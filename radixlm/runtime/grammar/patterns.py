@@ -50,6 +50,18 @@ def regex_syntax_positions(pattern: str) -> Iterator[int]:
     return (start for start, _ in regex_atoms(pattern) if pattern[start] != "\\")
 
 
+def is_lookaround_at(pattern: str, i: int) -> bool:
+    """``pattern[i]`` is the ``(`` of a lookahead / lookbehind group."""
+    return pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!")
+
+
+def has_lookaround(pattern: str) -> bool:
+    """``pattern`` has a lookahead or lookbehind group (escapes and classes skipped)."""
+    return any(
+        pattern[i] == "(" and is_lookaround_at(pattern, i) for i in regex_syntax_positions(pattern)
+    )
+
+
 def can_match_backslash(pattern: str) -> bool:
     """Whether some one-character piece of ``pattern`` (``regex_atoms``) can match a
     backslash: ``.``, ``\\\\``, ``\\S``, ``\\W``, ``\\D``, or a class containing it (ranges and

@@ -104,3 +104,17 @@ def strip_annotations(s: Any, depth: int = 0) -> Any:
         return s
     out = map_subschemas(s, lambda v: strip_annotations(v, depth + 1))
     return {k: v for k, v in out.items() if k not in ANNOTATIONS}
+
+
+class Draft:
+    """The schema's draft: its keywords and validator class, and the root (for ``$ref``)."""
+
+    def __init__(self, root: Any) -> None:
+        import jsonschema
+
+        cls = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)
+        self.keywords = frozenset(cls.VALIDATORS)
+        self.cls = cls
+        self.root = root
+        self.validator = cls(root)
+        self.ref_alone = "prefixItems" not in self.keywords  # before 2019-09: $ref hides siblings

@@ -26,20 +26,27 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.grammar.base import GrammarError
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.normalize import lower_for_backends, normalize_schema
 from radixlm.runtime.grammar.patterns import (
     can_match_backslash,
+    is_lookaround_at,
     negation_problems,
     regex_matches,
     regex_syntax_positions,
 )
+from radixlm.runtime.grammar.relax import VERIFY_KEY, Relaxed, relax_schema
 from radixlm.runtime.grammar.schema_keywords import (
     SCHEMA_LISTS,
     SCHEMA_MAPS,
     SCHEMA_VALUES,
     VALIDATION_KEYWORDS,
+)
+from radixlm.runtime.grammar.schema_text import (
+    MAX_SCHEMA_NODES,
+    SCHEMA_MAX_DEPTH,
+    check_json_shape,
 )
 
 _SCHEMA_MAPS, _SCHEMA_VALUES, _SCHEMA_LISTS = SCHEMA_MAPS, SCHEMA_VALUES, SCHEMA_LISTS
@@ -57,7 +64,7 @@ _NEEDS_TYPE = frozenset(
 # annotations, which the backends do not track.
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef",
              "dependentSchemas", "dependencies")  # fmt: skip
-_MAX_DEPTH = 128
+_MAX_DEPTH = SCHEMA_MAX_DEPTH
 # Keywords the backends apply while ignoring every other validation keyword beside them (but
 # those listed); measured on both backends. The normalizer distributes / filters most away.
 _ALONE: dict[str, frozenset[str]] = {
@@ -206,7 +213,7 @@ def _regex_features(pattern: str) -> set[str]:
     for i in regex_syntax_positions(pattern):
         ch = pattern[i]
         if ch == "(":
-            if pattern[i + 1 : i + 3] in ("?=", "?!") or pattern[i + 1 : i + 4] in ("?<=", "?<!"):
+            if is_lookaround_at(pattern, i):
                 found.add("lookaround")
             depth += 1
         elif ch == ")":
@@ -277,39 +284,6 @@ def find_unsupported(schema: Any, support: SchemaSupport) -> list[Unsupported]:
     return out
 
 
-def json_shape(value: Any) -> tuple[int, int]:
-    """``(depth, nodes)`` of a parsed JSON value, computed iteratively (never by recursion, so
-    a hostile 10,000-deep document cannot overflow the stack). A scalar has depth 0."""
-    depth = nodes = 0
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        node, d = stack.pop()
-        nodes += 1
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            continue
-        depth = max(depth, d + 1)
-        stack.extend((c, d + 1) for c in children)
-    return depth, nodes
-
-
-def check_json_shape(value: Any, what: str, max_depth: int, max_nodes: int) -> None:
-    """Raise ``GrammarError`` when ``value`` nests deeper than ``max_depth`` or has more than
-    ``max_nodes`` values (iterative: safe on any input)."""
-    depth, nodes = json_shape(value)
-    if depth > max_depth:
-        raise GrammarError(f"{what} nests {depth} levels deep; the limit is {max_depth}")
-    if nodes > max_nodes:
-        raise GrammarError(f"{what} has {nodes} values; the limit is {max_nodes}")
-
-
-# The engine's own bound on a schema (the server applies its stricter, configurable one first).
-MAX_SCHEMA_NODES = 100_000
-
-
 def check_metaschema(schema: Any) -> None:
     """Raise ``GrammarError`` unless ``schema`` is valid against its (declared or 2020-12)
     metaschema."""
@@ -339,7 +313,8 @@ def _metaschema_checked(spec: str) -> None:
 
 def prepared_schema_text(spec: str, lower: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
-    rewrites), then (``lower``: for backends that generate declared properties only)
+    rewrites), ``relax.relax_schema`` (the keywords the verifier checks, relaxed), then
+    (``lower``: for backends that generate declared properties only)
     ``normalize.lower_for_backends``, as compact JSON (key order kept). The result is written
     in 2020-12 keywords (``prefixItems``, numeric exclusive bounds, ...) and says so in its
     ``$schema`` (llguidance reads keywords by the declared draft). Remembered per
@@ -348,10 +323,39 @@ def prepared_schema_text(spec: str, lower: bool = True) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _prepared_schema_text(spec: str, lower: bool) -> str:
+def _relaxed(spec: str) -> Relaxed:
+    """``normalize.normalize_schema`` of schema text, in 2020-12 keywords, split by
+    ``relax.relax_schema`` into the grammar's relaxation and the verifier's exact schema."""
     schema = normalize_schema(json.loads(spec))
     if isinstance(schema, dict) and "$schema" in schema:
         schema = {**schema, "$schema": DRAFT_2020_12}
+    return relax_schema(schema)
+
+
+def verified_keywords(spec: str) -> list[str]:
+    """The keywords of schema text ``spec`` that the verifier, not the grammar, enforces."""
+    found: set[str] = set()
+    stack = [_relaxed(spec).verify]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found.update(node.get(VERIFY_KEY, ()))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return sorted(found)
+
+
+def verifier_schema_text(spec: str) -> str | None:
+    """The exact, marked schema the verifier checks generated values against (``relax``), or
+    None when the grammar alone enforces schema text ``spec``."""
+    verify = _relaxed(spec).verify
+    return None if verify is None else json.dumps(verify, ensure_ascii=False)
+
+
+@functools.lru_cache(maxsize=512)
+def _prepared_schema_text(spec: str, lower: bool) -> str:
+    schema = _relaxed(spec).grammar
     if lower:
         schema = lower_for_backends(schema)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
@@ -382,29 +386,6 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
             f"{listed}. Remove them, or request best-effort decoding to ignore them."
         )
     return schema
-
-
-def canonical_schema(schema: Any, depth: int = 0) -> Any:
-    """The same schema with keyword keys sorted (a stable cache key). Order that means
-    something is kept: property maps (the generated key order), lists, and data values
-    (``enum``, ``const``, ``default``, ...)."""
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
-        return schema
-    out: dict[str, Any] = {}
-    for key in sorted(schema):
-        value = schema[key]
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
-        elif key in _SCHEMA_VALUES:
-            value = canonical_schema(value, depth + 1)
-        elif key in (*_SCHEMA_LISTS, "items") and isinstance(value, list):
-            value = [canonical_schema(v, depth + 1) for v in value]
-        elif key == "items":
-            value = canonical_schema(value, depth + 1)
-        elif key == "dependencies" and isinstance(value, dict):
-            value = {k: canonical_schema(v, depth + 1) for k, v in value.items()}
-        out[key] = value
-    return out
 
 
 _COMMON = frozenset(

@@ -27,20 +27,23 @@ import xgrammar as xgr
 from xgrammar import structural_tag as st
 
 from radixlm.runtime.grammar.base import (
-    CONSTRAINT_KINDS,
-    MAX_JSON_WHITESPACE,
     CompiledGrammar,
-    Constraint,
     GrammarBackend,
-    GrammarError,
     GrammarMatcher,
-    choices_regex,
-    parse_choices,
     register_backend,
 )
 from radixlm.runtime.grammar.bitmask import fill_bitmask_tokens
+from radixlm.runtime.grammar.constraint import (
+    CONSTRAINT_KINDS,
+    MAX_JSON_WHITESPACE,
+    Constraint,
+    choices_regex,
+    parse_choices,
+)
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.patterns import map_patterns, regex_syntax_positions
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
+from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import (
     CALL_END,
@@ -212,7 +215,7 @@ class XGrammarBackend(GrammarBackend):
     def _validate_syntax(self, constraint: Constraint) -> None:
         self.grammar(constraint)
 
-    def compile(self, constraint: Constraint) -> XGrammarCompiled:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         start = time.perf_counter()
         self.check_semantics(constraint)
         grammar = self.grammar(constraint)
@@ -220,4 +223,6 @@ class XGrammarBackend(GrammarBackend):
             compiled = self._compiler.compile_grammar(grammar)
         except Exception as exc:
             raise GrammarError(f"invalid {constraint.kind}: {_clean(exc)}") from None
-        return XGrammarCompiled(constraint, self.vocab, compiled, time.perf_counter() - start)
+        return with_verifier(
+            XGrammarCompiled(constraint, self.vocab, compiled, time.perf_counter() - start)
+        )

@@ -10,13 +10,9 @@ from typing import Any
 import pytest
 from grammar_helpers import BACKENDS, EOS, VOCAB_SIZE
 
-from radixlm.runtime.grammar import (
-    CompiledGrammar,
-    Constraint,
-    GrammarBackend,
-    TokenVocab,
-    get_backend,
-)
+from radixlm.runtime.grammar.base import CompiledGrammar, GrammarBackend, get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.models.loader import load_tokenizer
 
 

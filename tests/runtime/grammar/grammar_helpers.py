@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from radixlm.runtime.grammar import GrammarMatcher, TokenVocab, allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.base import GrammarMatcher
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.verified import VerifiedMatcher
+from radixlm.runtime.grammar.vocab import TokenVocab
 
 VOCAB_SIZE = 49152  # SmolLM2-135M-Instruct
 EOS = 2
@@ -17,17 +20,23 @@ BYTE_VOCAB = TokenVocab(
 )
 
 
+def _verifier_refuses(matcher: GrammarMatcher, token: int) -> bool:
+    """The sampling step's check after the mask (schemas beyond context-free): a refused
+    token is masked and resampled, so a text that needs it is not generated."""
+    return isinstance(matcher, VerifiedMatcher) and matcher.check_token(token) is not None
+
+
 def grammar_accepts(matcher: GrammarMatcher, text: str) -> bool:
     """Walk ``text`` (on a ``BYTE_VOCAB`` matcher) byte by byte the way decoding does (mask,
     then accept); True if the grammar allows the whole text and then EOS."""
     mask = allocate_bitmask(1, BYTE_VOCAB.vocab_size)
     for b in text.encode():
         matcher.fill_bitmask(mask, 0)
-        if not is_token_allowed(mask, 0, b):
+        if not is_token_allowed(mask, 0, b) or _verifier_refuses(matcher, b):
             return False
         assert matcher.accept_token(b), "token allowed by the mask but rejected"
     matcher.fill_bitmask(mask, 0)
-    eos = is_token_allowed(mask, 0, BYTE_EOS)
+    eos = is_token_allowed(mask, 0, BYTE_EOS) and not _verifier_refuses(matcher, BYTE_EOS)
     assert eos == matcher.is_completed()
     return eos
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from grammar_helpers import EOS, VOCAB_SIZE
 
-from radixlm.runtime.grammar import (
-    TokenVocab,
+from radixlm.runtime.grammar.bitmask import (
     allocate_bitmask,
     apply_token_bitmask,
     apply_token_bitmask_torch,
@@ -19,7 +18,7 @@ from radixlm.runtime.grammar import (
     is_token_allowed,
     set_bitmask_bits,
 )
-from radixlm.runtime.grammar.vocab import decode_token
+from radixlm.runtime.grammar.vocab import TokenVocab, decode_token
 
 
 def test_vocab_bytes_match_xgrammar_decoding(tokenizer: Any, vocab: TokenVocab) -> None:

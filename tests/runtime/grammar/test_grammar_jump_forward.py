@@ -8,15 +8,12 @@ from typing import Any
 import pytest
 from grammar_helpers import BACKENDS, EOS, walk
 
-from radixlm.runtime.grammar import (
-    Constraint,
-    GrammarBackend,
-    GrammarManager,
-    TokenVocab,
-    allocate_bitmask,
-    is_token_allowed,
-    jump_forward,
-)
+from radixlm.runtime.grammar.base import GrammarBackend
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.jump_forward import jump_forward
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.grammar.vocab import TokenVocab
 
 NAME = {
     "type": "object",

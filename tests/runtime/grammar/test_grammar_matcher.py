@@ -9,16 +9,11 @@ from typing import Any
 import pytest
 from grammar_helpers import BACKENDS, EOS, VOCAB_SIZE, walk
 
-from radixlm.runtime.grammar import (
-    Constraint,
-    GrammarBackend,
-    GrammarError,
-    TokenVocab,
-    allocate_bitmask,
-    bitmask_to_bool,
-    get_backend,
-    is_token_allowed,
-)
+from radixlm.runtime.grammar.base import GrammarBackend, get_backend
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, bitmask_to_bool, is_token_allowed
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
+from radixlm.runtime.grammar.vocab import TokenVocab
 
 PERSON = {
     "type": "object",

@@ -11,7 +11,9 @@ from grammar_helpers import BYTE_VOCAB, grammar_accepts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.grammar import Constraint, GrammarError, get_backend
+from radixlm.runtime.grammar.base import get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.patterns import (
     can_match_backslash,
     matches_every_name,

@@ -12,7 +12,7 @@ from grammar_helpers import BACKENDS, walk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.grammar import Constraint
+from radixlm.runtime.grammar.constraint import Constraint
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -15,12 +15,15 @@ import jsonschema
 import pytest
 from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
-from radixlm.runtime.grammar import Constraint, GrammarBackend, GrammarError, get_backend
+from radixlm.runtime.grammar.base import GrammarBackend, get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.strict import (
     OUTLINES_SUPPORT,
     XGRAMMAR_SUPPORT,
     find_unsupported,
 )
+from radixlm.runtime.grammar.verified import VerifiedGrammar
 
 Compile = Callable[[str, Constraint], Any]
 
@@ -193,14 +196,37 @@ LLGUIDANCE_ENFORCES = frozenset(
 )
 
 
+# Enforced by the verifier beside the grammar (``relax`` / ``verifier``): accepted in strict mode.
+VERIFIED = frozenset(
+    {"uniqueItems", "contains", "minContains", "not", "if", "propertyNames",
+     "oneOf (branches not provably disjoint)"}
+)  # fmt: skip
+
+
 def _cases() -> list[tuple[str, str, dict[str, Any]]]:
     out = [
         (b, k, s)
         for b in BACKENDS
         for k, s in KEYWORD_SCHEMAS.items()
-        if not (b == "llguidance" and k in LLGUIDANCE_ENFORCES)
+        if not (b == "llguidance" and k in LLGUIDANCE_ENFORCES) and k not in VERIFIED
     ]
-    return out + [("outlines", k, s) for k, s in OUTLINES_ONLY.items()]
+    return out + [("outlines", k, s) for k, s in OUTLINES_ONLY.items() if k not in VERIFIED]
+
+
+def _verified_cases() -> list[tuple[str, str, dict[str, Any]]]:
+    schemas = {**KEYWORD_SCHEMAS, "propertyNames": OUTLINES_ONLY["propertyNames"]}
+    return [(b, k, schemas[k]) for b in ("xgrammar", "llguidance") for k in sorted(VERIFIED)]
+
+
+@pytest.mark.parametrize(("backend", "keyword", "schema"), _verified_cases())
+def test_verified_keyword_is_accepted_in_strict_mode_with_a_verifier(
+    backend: str, keyword: str, schema: dict[str, Any], backends: dict[str, GrammarBackend]
+) -> None:
+    nested = {"type": "object", "properties": {"field": schema}, "required": ["field"]}
+    strict = Constraint.from_params(json_schema=nested)
+    assert strict is not None
+    backends[backend].validate(strict)
+    assert isinstance(backends[backend].compile(strict), VerifiedGrammar)
 
 
 @pytest.mark.parametrize(("backend", "keyword", "schema"), _cases())

@@ -12,13 +12,10 @@ from grammar_helpers import EOS, walk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.grammar import (
-    Constraint,
-    GrammarBackend,
-    GrammarError,
-    allocate_bitmask,
-    is_token_allowed,
-)
+from radixlm.runtime.grammar.base import GrammarBackend
+from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.tool_calls import (
     ToolCallParser,
     format_tool_call,

@@ -1,0 +1,142 @@
+"""Building an engine core from an `EngineConfig`: the model runner (or rank 0 of a
+tensor-parallel group), the page pool and radix cache, the scheduler with its token appender,
+the executor and the output processor; and, on first use, the grammar manager.
+
+The result (`EngineParts`) is plain wiring; the loop (`engine_loop.py`) drives it and the front
+(`engine.py`) submits to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from radixlm.config import EngineConfig
+from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.constrained import GrammarStep
+from radixlm.runtime.cpu_threads import release_idle_teams
+from radixlm.runtime.engine_core import EngineCore
+from radixlm.runtime.errors import ConfigError
+from radixlm.runtime.executor import Executor
+from radixlm.runtime.grammar.base import backend_names
+from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.model_runner import ModelRunner, pick_device
+from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
+from radixlm.runtime.models.model_info import context_length, load_model_info
+from radixlm.runtime.output_processor import OutputProcessor
+from radixlm.runtime.scheduler import Scheduler, TokenAppender
+
+logger = logging.getLogger(__name__)
+
+
+class EngineParts:
+    """Everything one engine holds, wired. `num_threads`: the intra-op threads the forward
+    runs on (the loop thread sets them for itself)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        cfg = self.config = config
+        if cfg.grammar_backend not in backend_names():
+            raise ConfigError(
+                f"grammar_backend must be one of {backend_names()}, got {cfg.grammar_backend!r}"
+            )
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
+        self.num_threads = torch.get_num_threads()
+        self.model_dir = resolve_model_path(cfg.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model_info = load_model_info(self.model_dir)
+        self.device = pick_device(cfg.device)
+        self.runner = self._make_runner()
+        if self.device.type == "cpu":
+            release_idle_teams()  # the loading thread's team; the loop thread makes its own
+        self.max_model_len: int = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
+        self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
+        eos = set(self.model_info.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.appender = TokenAppender(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.processor = OutputProcessor()
+        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.cache,
+            cfg.scheduler,
+            self.appender,
+            self.max_model_len,
+            debug_integrity=cfg.debug_integrity,
+        )
+        self.core = EngineCore(self.scheduler, self.executor, self.processor)
+        self._grammar: GrammarManager | None = None
+        self._grammar_lock = threading.Lock()
+
+    def _make_runner(self) -> Any:
+        """A `ModelRunner`, or with `tp_size > 1` rank 0's `TensorParallelRunner` (which
+        starts the other ranks and runs every forward on all of them)."""
+        cfg = self.config
+        args = (self.model_dir, cfg.dtype, self.device, cfg.cache, cfg.attention_backend)
+        max_len = context_length(self.model_info, cfg.scheduler.max_model_len)
+        if cfg.tp_size == 1:
+            return ModelRunner(
+                *args,
+                max_len,
+                model_info=self.model_info,
+                matmul_dtype=cfg.matmul_dtype,
+                enforce_eager=cfg.enforce_eager,
+                quantization=cfg.quantization,
+                quantization_group_size=cfg.quantization_group_size,
+            )
+        from radixlm.runtime.distributed.parallel_state import DistributedConfig
+        from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
+
+        dist = DistributedConfig.from_env(
+            cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr
+        )
+        if cfg.node_rank != 0:
+            raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
+        return TensorParallelRunner(
+            *args,
+            max_len,
+            dist,
+            num_threads=cfg.num_threads,
+            quantization=cfg.quantization,
+            quantization_group_size=cfg.quantization_group_size,
+        )
+
+    @property
+    def grammar(self) -> GrammarManager | None:
+        """The grammar manager if one was created (None until the first constraint)."""
+        return self._grammar
+
+    @property
+    def grammar_manager(self) -> GrammarManager:
+        """The grammar manager (compile pool + cache), created on first use: importing a
+        grammar backend costs seconds that unconstrained use should not pay. Raises
+        `ValueError` when the configured backend is not installed."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                cfg = self.config
+                try:
+                    mgr = GrammarManager(
+                        self.tokenizer,
+                        self.runner.vocab_size,
+                        self.eos_token_ids,
+                        backend=cfg.grammar_backend,
+                        timeout_s=cfg.grammar_timeout_s,
+                        jump_forward_enabled=cfg.enable_jump_forward,
+                    )
+                except ImportError as exc:
+                    raise ValueError(
+                        f"grammar backend {cfg.grammar_backend!r} is not installed "
+                        f"(pip install 'radixlm[grammar]'): {exc}"
+                    ) from None
+                step = GrammarStep(mgr, self.device)
+                self.appender.set_grammar(step)
+                self.executor.set_grammar(step)
+                self._grammar = mgr
+            return self._grammar

@@ -1,0 +1,252 @@
+"""An incremental JSON scanner that reports where values complete (the verifier's eyes).
+
+``advance(state, text, hooks)`` follows generated text and, at each point where something
+completes, asks ``hooks`` whether it may stand: a key (its closing quote), an array item
+(``hooks.item``, against the earlier items), any value (``hooks.value``: a string at its closing
+quote, a number at the character after it or at ``finish``, ``true`` / ``false`` / ``null`` at
+their first character (the rest is forced), an object / array at its closing bracket), and an
+open string's text so far (``hooks.string_prefix`` / ``key_prefix``, once per call), and an
+array separator (``hooks.more_items``: can another item still stand?). The first refusal names its
+keyword and leaves ``state`` as it was.
+
+The text is assumed to be a prefix of JSON (the grammar guarantees it); states are immutable,
+so a matcher keeps one per accepted token (rollback drops the last ones) and tries a
+candidate without changing anything. Schema positions are opaque ``Nodes`` that ``hooks.child``
+derives from the parent's (the root's are given).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+Nodes = tuple[Any, ...]
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+_LITERALS = {"t": ("true", True), "f": ("false", False), "n": ("null", None)}
+_WHITESPACE = frozenset(" \t\n\r")
+
+
+class Hooks(Protocol):
+    """What the scanner asks; each check returns the refusing keyword, or None."""
+
+    def child(self, nodes: Nodes, step: str | int) -> Nodes: ...
+    def keeps_items(self, nodes: Nodes) -> bool: ...
+    def checks_prefix(self, nodes: Nodes) -> bool: ...
+    def checks_key_prefix(self, nodes: Nodes) -> bool: ...
+    def more_items(self, nodes: Nodes, earlier: tuple[Any, ...]) -> str | None: ...
+    def key_prefix(self, nodes: Nodes, text: str) -> str | None: ...
+    def key(self, nodes: Nodes, key: str) -> str | None: ...
+    def item(self, nodes: Nodes, earlier: tuple[Any, ...], value: Any) -> str | None: ...
+    def value(self, nodes: Nodes, span: str) -> str | None: ...
+    def string_prefix(self, nodes: Nodes, text: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Frame:
+    """An open object / array. ``count``: items (members) started; ``items``: completed items,
+    kept only where ``hooks.keeps_items``; ``key``: the member whose value comes next."""
+
+    array: bool
+    start: int
+    nodes: Nodes
+    count: int = 0
+    items: tuple[Any, ...] = ()
+    key: str | None = None
+    want_key: bool = True
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """An open string (``key``: an object key), number or literal (``left`` chars to come)."""
+
+    kind: str  # "string" | "number" | "literal"
+    start: int
+    nodes: Nodes
+    key: bool = False
+    escape: bool = False
+    left: int = 0
+    prefix_check: bool = False
+
+
+@dataclass(frozen=True)
+class ScanState:
+    text: str = ""
+    stack: tuple[Frame, ...] = ()
+    scalar: Scalar | None = None
+    done: bool = False
+    pending: bytes = b""  # an incomplete UTF-8 character at the end of the bytes fed
+
+
+class Refused(Exception):  # noqa: N818 - a control-flow signal, caught in this module
+    def __init__(self, keyword: str) -> None:
+        self.keyword = keyword
+
+
+def decode_partial(data: bytes) -> tuple[str, bytes]:
+    """(text, incomplete tail) of UTF-8 ``data`` cut before an incomplete last character."""
+    for cut in range(min(3, len(data)) + 1):
+        try:
+            return data[: len(data) - cut].decode("utf-8"), data[len(data) - cut :]
+        except UnicodeDecodeError:
+            continue
+    return data.decode("utf-8", errors="replace"), b""
+
+
+def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> ScanState | str:
+    """``advance`` on UTF-8 bytes (a token's), keeping an incomplete character for later."""
+    text, pending = decode_partial(state.pending + data)
+    out = advance(replace(state, pending=b""), text, hooks, root)
+    return replace(out, pending=pending) if isinstance(out, ScanState) else out
+
+
+def advance(state: ScanState, chunk: str, hooks: Hooks, root: Nodes) -> ScanState | str:
+    """The state after ``chunk``, or the keyword that refuses it."""
+    try:
+        return _Scan(state, hooks, root).run(chunk)
+    except Refused as exc:
+        return exc.keyword
+
+
+def finish(state: ScanState, hooks: Hooks, root: Nodes) -> ScanState | str:
+    """The end of the text (EOS): a top-level number completes here."""
+    if state.scalar is None or state.scalar.kind != "number":
+        return state
+    try:
+        scan = _Scan(state, hooks, root)
+        scan.end_number(len(state.text))
+        return scan.state()
+    except Refused as exc:
+        return exc.keyword
+
+
+class _Scan:
+    def __init__(self, state: ScanState, hooks: Hooks, root: Nodes) -> None:
+        self.text = state.text
+        self.stack = list(state.stack)
+        self.scalar = state.scalar
+        self.done = state.done
+        self.hooks = hooks
+        self.root = root
+
+    def state(self) -> ScanState:
+        return ScanState(self.text, tuple(self.stack), self.scalar, self.done)
+
+    def run(self, chunk: str) -> ScanState:
+        base = len(self.text)
+        self.text += chunk
+        for k, ch in enumerate(chunk):
+            self.char(ch, base + k)
+        sc = self.scalar
+        if sc is not None and sc.prefix_check and sc.kind == "string" and not sc.escape:
+            raw = self.text[sc.start + 1 :]
+            prefix = _decoded_prefix(raw)
+            if prefix is not None:
+                check = self.hooks.key_prefix if sc.key else self.hooks.string_prefix
+                self._check(check(sc.nodes, prefix))
+        return self.state()
+
+    def char(self, ch: str, pos: int) -> None:
+        sc = self.scalar
+        if sc is not None:
+            if sc.kind == "string":
+                if sc.escape:
+                    self.scalar = replace(sc, escape=False)
+                elif ch == "\\":
+                    self.scalar = replace(sc, escape=True)
+                elif ch == '"':
+                    self.end_string(pos)
+                return
+            if sc.kind == "literal":
+                self.scalar = replace(sc, left=sc.left - 1) if sc.left > 1 else None
+                return
+            if ch in _NUMBER_CHARS:
+                return
+            self.end_number(pos)
+        self.structural(ch, pos)
+
+    def structural(self, ch: str, pos: int) -> None:
+        if ch in _WHITESPACE:
+            return
+        top = self.stack[-1] if self.stack else None
+        if ch == ":" and top is not None:
+            self.stack[-1] = replace(top, want_key=False)
+        elif ch == "," and top is not None:
+            if top.array and self.hooks.keeps_items(top.nodes):
+                self._check(self.hooks.more_items(top.nodes, top.items))
+            self.stack[-1] = replace(top, want_key=True, key=None)
+        elif ch in "}]" and top is not None:
+            self.stack.pop()
+            self.complete(top.nodes, self.text[top.start : pos + 1])
+        elif ch == '"' and top is not None and not top.array and top.want_key:
+            prefix = self.hooks.checks_key_prefix(top.nodes)
+            self.scalar = Scalar("string", pos, top.nodes, key=True, prefix_check=prefix)
+        else:
+            self.start_value(ch, pos)
+
+    def start_value(self, ch: str, pos: int) -> None:
+        nodes = self.slot()
+        if ch in "{[":
+            self.stack.append(Frame(ch == "[", pos, nodes))
+        elif ch == '"':
+            prefix = self.hooks.checks_prefix(nodes)
+            self.scalar = Scalar("string", pos, nodes, prefix_check=prefix)
+        elif ch in _LITERALS:
+            word, _ = _LITERALS[ch]
+            self.scalar = Scalar("literal", pos, nodes, left=len(word) - 1)
+            self.complete(nodes, word)
+        else:
+            self.scalar = Scalar("number", pos, nodes)
+
+    def slot(self) -> Nodes:
+        """Schema nodes of the value starting now (an array item starts here)."""
+        if not self.stack:
+            return self.root
+        top = self.stack[-1]
+        if top.array:
+            self.stack[-1] = replace(top, count=top.count + 1)
+            return self.hooks.child(top.nodes, top.count)
+        return self.hooks.child(top.nodes, top.key if top.key is not None else "")
+
+    def end_string(self, pos: int) -> None:
+        sc = self.scalar
+        assert sc is not None
+        self.scalar = None
+        span = self.text[sc.start : pos + 1]
+        if sc.key:
+            key = json.loads(span)
+            self._check(self.hooks.key(sc.nodes, key))
+            self.stack[-1] = replace(self.stack[-1], key=key)
+        else:
+            self.complete(sc.nodes, span)
+
+    def end_number(self, pos: int) -> None:
+        sc = self.scalar
+        assert sc is not None
+        self.scalar = None
+        self.complete(sc.nodes, self.text[sc.start : pos])
+
+    def complete(self, nodes: Nodes, span: str) -> None:
+        self._check(self.hooks.value(nodes, span))
+        if not self.stack:
+            self.done = True
+            return
+        top = self.stack[-1]
+        if top.array and self.hooks.keeps_items(top.nodes):
+            value = json.loads(span)
+            self._check(self.hooks.item(top.nodes, top.items, value))
+            self.stack[-1] = replace(top, items=(*top.items, value))
+
+    @staticmethod
+    def _check(keyword: str | None) -> None:
+        if keyword is not None:
+            raise Refused(keyword)
+
+
+def _decoded_prefix(raw: str) -> str | None:
+    """The string value spelled so far by JSON string text ``raw`` (after its opening quote),
+    or None while it ends inside an escape."""
+    try:
+        return json.loads(f'"{raw}"')
+    except ValueError:
+        return None

@@ -1,0 +1,230 @@
+"""The verifier beside the grammar: exact checks of what a grammar cannot express.
+
+``SchemaVerifier`` holds the exact (marked) schema of ``relax.relax_schema``; as
+``json_track`` follows the generated JSON it answers, where something completes, whether it
+may stand:
+
+- a value at a *known position* (reached from the root through ``properties``,
+  ``patternProperties``, ``additionalProperties``, ``prefixItems``, ``items``, local ``$ref``
+  and ``allOf``: every schema object that applies there for sure) is validated with
+  ``jsonschema`` (format checker on) against each applicable object whose subtree holds a
+  relaxed keyword; positions below ``anyOf`` / ``oneOf`` / ``if`` are checked by their nearest
+  known ancestor. The root is always a known position, so a finished document is valid.
+- cheaper and earlier: an array item equal to an earlier one (``uniqueItems``), a key against
+  ``propertyNames``, the text of an open string against a lookaround ``pattern`` (the ``regex``
+  package's partial matching: refused once no continuation can match).
+
+Only value-completing text triggers a validation; other tokens cost a character scan.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import regex
+
+from radixlm.runtime.grammar.disjoint import json_equal
+from radixlm.runtime.grammar.json_track import Nodes
+from radixlm.runtime.grammar.relax import VERIFY_KEY
+from radixlm.runtime.grammar.schema_facts import finite_values
+from radixlm.runtime.grammar.schema_keywords import map_subschemas, resolve_pointer
+
+_MAX_EXPAND = 64
+
+
+class SchemaVerifier:
+    """Immutable after construction but for its caches; shared by every matcher of one
+    compiled grammar (the step thread is the only caller)."""
+
+    def __init__(self, schema: dict[str, Any]) -> None:
+        self.schema = schema
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        self._tainted: dict[int, bool] = {}
+        self._validators: dict[int, Any] = {}
+        self.root: Nodes = self._expand(schema)
+
+    @classmethod
+    def from_text(cls, text: str) -> SchemaVerifier:
+        return cls(json.loads(text))
+
+    # ---- positions ------------------------------------------------------------------------
+
+    def _expand(self, node: Any) -> Nodes:
+        """``node`` and the schema objects that apply with it for sure (local ``$ref``
+        targets, ``allOf`` members), each once."""
+        out: list[Any] = []
+        seen: set[int] = set()
+        stack = [node]
+        while stack and len(out) < _MAX_EXPAND:
+            n = stack.pop()
+            if not isinstance(n, dict) or id(n) in seen:
+                continue
+            seen.add(id(n))
+            out.append(n)
+            target = resolve_pointer(self.schema, n.get("$ref"))
+            if target is not None:
+                stack.append(target)
+            if isinstance(n.get("allOf"), list):
+                stack.extend(reversed(n["allOf"]))
+        return tuple(out)
+
+    def child(self, nodes: Nodes, step: str | int) -> Nodes:
+        out: list[Any] = []
+        for n in nodes:
+            if isinstance(step, int):
+                prefix = n.get("prefixItems")
+                if isinstance(prefix, list) and step < len(prefix):
+                    out.append(prefix[step])
+                elif isinstance(n.get("items"), dict):
+                    out.append(n["items"])
+                continue
+            props = n.get("properties")
+            matched = isinstance(props, dict) and step in props
+            if matched:
+                out.append(props[step])
+            for pattern, sub in (n.get("patternProperties") or {}).items():
+                hit = _search(pattern, step)
+                if hit is None:
+                    continue  # undecidable here: the ancestors' checks cover it
+                if hit:
+                    matched = True
+                    out.append(sub)
+            if not matched and isinstance(n.get("additionalProperties"), dict):
+                out.append(n["additionalProperties"])
+        return tuple(x for c in out for x in self._expand(c))
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def tainted(self, node: Any) -> bool:
+        """``node``'s subtree (through local ``$ref``) holds a relaxed keyword."""
+        key = id(node)
+        if key in self._tainted:
+            return self._tainted[key]
+        self._tainted[key] = False  # a reference cycle back here adds nothing
+        found = False
+        if isinstance(node, dict):
+            found = VERIFY_KEY in node
+            subs: list[Any] = []
+            map_subschemas(node, lambda s: subs.append(s) or s)
+            target = resolve_pointer(self.schema, node.get("$ref"))
+            if target is not None:
+                subs.append(target)
+            found = found or any(self.tainted(s) for s in subs)
+        self._tainted[key] = found
+        return found
+
+    def _validator_for(self, node: Any) -> Any:
+        v = self._validators.get(id(node))
+        if v is None:
+            v = self._validators[id(node)] = self._validator.evolve(schema=node)
+        return v
+
+    def _refusal(self, node: Any, instance: Any) -> str | None:
+        v = self._validator_for(node)
+        if v.is_valid(instance):
+            return None
+        error = jsonschema.exceptions.best_match(v.iter_errors(instance))
+        return _keyword_of(error)
+
+    def keeps_items(self, nodes: Nodes) -> bool:
+        return any(n.get("uniqueItems") is True and VERIFY_KEY in n for n in nodes)
+
+    def checks_prefix(self, nodes: Nodes) -> bool:
+        return any("pattern" in n.get(VERIFY_KEY, ()) for n in nodes)
+
+    def checks_key_prefix(self, nodes: Nodes) -> bool:
+        return any(_name_pattern(n) is not None for n in nodes)
+
+    def key_prefix(self, nodes: Nodes, text: str) -> str | None:
+        for n in nodes:
+            pattern = _name_pattern(n)
+            if pattern is not None and _partial(pattern, text) is False:
+                return "propertyNames"
+        return None
+
+    def more_items(self, nodes: Nodes, earlier: tuple[Any, ...]) -> str | None:
+        """``uniqueItems`` where the next item comes from a finite set already used up."""
+        for n in nodes:
+            if n.get("uniqueItems") is not True:
+                continue
+            for c in self.child((n,), len(earlier)):
+                values = finite_values(c)
+                if values is not None and all(
+                    any(json_equal(v, e) for e in earlier) for v in values
+                ):
+                    return "uniqueItems"
+        return None
+
+    def key(self, nodes: Nodes, key: str) -> str | None:
+        for n in nodes:
+            if "propertyNames" in n.get(VERIFY_KEY, ()) and "propertyNames" in n:
+                if not self._validator_for(n["propertyNames"]).is_valid(key):
+                    return "propertyNames"
+        return None
+
+    def item(self, nodes: Nodes, earlier: tuple[Any, ...], value: Any) -> str | None:
+        if any(json_equal(value, e) for e in earlier):
+            return "uniqueItems"
+        return None
+
+    def value(self, nodes: Nodes, span: str) -> str | None:
+        checked = [n for n in nodes if self.tainted(n)]
+        if not checked:
+            return None
+        instance = json.loads(span)
+        for n in checked:
+            refusal = self._refusal(n, instance)
+            if refusal is not None:
+                return refusal
+        return None
+
+    def string_prefix(self, nodes: Nodes, text: str) -> str | None:
+        for n in nodes:
+            if "pattern" in n.get(VERIFY_KEY, ()) and _partial(n["pattern"], text) is False:
+                return "pattern"
+        return None
+
+
+def _partial(pattern: str, text: str) -> bool | None:
+    """Whether some continuation of ``text`` can match ``pattern`` (searched); None when the
+    ``regex`` package cannot read it (the completed string is checked anyway)."""
+    try:
+        return regex.search(pattern, text, partial=True) is not None
+    except regex.error:
+        return None
+
+
+def _name_pattern(n: dict[str, Any]) -> str | None:
+    """The ``pattern`` of a relaxed ``propertyNames`` schema, if any."""
+    names = n.get("propertyNames")
+    if "propertyNames" not in n.get(VERIFY_KEY, ()) or not isinstance(names, dict):
+        return None
+    pattern = names.get("pattern")
+    return pattern if isinstance(pattern, str) else None
+
+
+def _search(pattern: str, name: str) -> bool | None:
+    try:
+        return regex.search(pattern, name) is not None
+    except regex.error:
+        return None
+
+
+def _keyword_of(error: Any) -> str:
+    """The relaxed keyword a validation error comes from (the deepest one on its schema path,
+    else the error's own)."""
+    if error is None:
+        return "schema"
+    path = [p for p in error.absolute_schema_path if isinstance(p, str)]
+    for p in reversed(path):
+        if p in _REPORTED:
+            return "if" if p in ("then", "else") else p
+    return str(error.validator)
+
+
+_REPORTED = frozenset({"uniqueItems", "not", "propertyNames", "if", "then", "else", "oneOf",
+                       "unevaluatedProperties", "unevaluatedItems", "contains", "pattern",
+                       "format"})  # fmt: skip

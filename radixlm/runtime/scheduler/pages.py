@@ -1,0 +1,106 @@
+"""KV pages of requests: allocation (evicting cache leaves when short), release, and caching
+computed full pages in the radix tree.
+
+NOTE: invariants kept here
+- A request's `pages` are exactly the pages it holds one ref on; the full ones it shares with the
+  tree form a root path, so releasing is one `pool.decref(req.pages)`.
+- Only full pages are inserted into the tree; the partial last page stays private.
+- `req.page_gen` is bumped whenever `pages` changes other than by appending (the executor's page
+  table rewrites the row then).
+"""
+
+from __future__ import annotations
+
+from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.request import Request
+
+
+class PageManager:
+    def __init__(self, pool: BlockPool, cache: RadixCache) -> None:
+        self.pool = pool
+        self.cache = cache
+        self.page_size = pool.page_size
+
+    def adopt_prefix(self, req: Request) -> int:
+        """Start `req` on its longest cached prefix (locked, one ref per page); returns the
+        tokens hit. Positions whose logits give wanted prompt logprobs are never taken."""
+        usable = req.num_tokens - 1
+        if req.prompt_logprob_start is not None:
+            usable = min(usable, max(0, req.prompt_logprob_start - 1))
+        m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
+        self.cache.lock(m.node)
+        req.pages = list(m.pages)
+        req.page_gen += 1
+        req.num_computed_tokens = m.num_tokens
+        return m.num_tokens
+
+    def alloc_with_reserve(self, req: Request, total_tokens: int, reserve: int) -> bool:
+        """Pages for `total_tokens` in all, leaving `reserve` pages free (headroom for the
+        running requests' growth); evicts when short. False: not enough even after eviction."""
+        need = req.pages_needed(total_tokens, self.page_size)
+        short = need + reserve - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        if need + reserve > self.pool.num_free:
+            return False
+        req.pages.extend(self.pool.alloc(need))
+        return True
+
+    def try_grow(self, req: Request, total_tokens: int) -> bool:
+        """Pages for `total_tokens` in all, evicting cache leaves when short; False when the
+        pool cannot provide them (the caller retracts someone and tries again)."""
+        return self.alloc_with_reserve(req, total_tokens, 0)
+
+    def alloc_one(self) -> int | None:
+        """One free page (evicting a leaf if needed), or None."""
+        if self.pool.num_free < 1:
+            self.cache.evict(1)
+        return self.pool.alloc(1)[0] if self.pool.num_free >= 1 else None
+
+    def release(self, req: Request) -> None:
+        """Drop every ref `req` holds; it restarts from zero computed tokens."""
+        self.pool.decref(req.pages)
+        req.pages = []
+        req.page_gen += 1
+        req.num_computed_tokens = 0
+
+    def cache_computed(self, req: Request) -> None:
+        """Insert the request's computed full pages into the tree (and adopt the tree's copies)."""
+        num_full = req.num_computed_tokens // self.page_size
+        if num_full == 0 or not self.cache.enabled:
+            return
+        full = self.cache.insert_and_adopt(
+            req.token_ids[: num_full * self.page_size], req.pages[:num_full], req.namespace
+        )
+        if full != req.pages[:num_full]:
+            req.pages[:num_full] = full
+            req.page_gen += 1
+
+    def share_prefix(self, parent: Request, child: Request, dst: int | None) -> None:
+        """A forked branch takes one ref on its parent's computed full pages, then its own copy
+        `dst` of the partial page."""
+        num_full = parent.num_computed_tokens // self.page_size
+        self.pool.incref(parent.pages[:num_full])
+        child.pages = parent.pages[:num_full] + ([dst] if dst is not None else [])
+        child.page_gen += 1
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def capacity_error(self, req: Request) -> str:
+        return (
+            f"request {req.request_id} needs more KV cache than the whole pool holds "
+            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages of {self.page_size})"
+        )
+
+    def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
+        """Every page's ref count equals the number of running requests holding it."""
+        self.cache.check_integrity()
+        held: dict[int, int] = {}
+        for req in running:
+            for p in req.pages:
+                held[p] = held.get(p, 0) + 1
+        for req in waiting:
+            assert not req.pages, f"waiting request {req.request_id} holds pages"
+        for page in range(self.pool.num_pages):
+            assert self.pool.ref(page) == held.get(page, 0), (
+                f"page {page}: ref {self.pool.ref(page)} but held by {held.get(page, 0)} requests"
+            )

@@ -1,0 +1,140 @@
+"""The verifier beside the grammar (relax + json_track + verifier + verified): unit checks per
+keyword, the official suite's files for those keywords, and a walk that decides like decoding."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
+
+from radixlm.runtime.grammar.base import get_backend
+from radixlm.runtime.grammar.constraint import Constraint
+from radixlm.runtime.grammar.errors import GrammarError
+from radixlm.runtime.grammar.json_track import ScanState, advance, finish
+from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
+from radixlm.runtime.grammar.strict import verifier_schema_text
+from radixlm.runtime.grammar.verified import VerifiedGrammar
+from radixlm.runtime.grammar.verifier import SchemaVerifier
+
+SUITE = Path(__file__).parents[2] / "data" / "json_schema_test_suite" / "draft2020-12"
+KEYWORD_FILES = ("uniqueItems", "not", "propertyNames", "if-then-else", "oneOf",
+                 "unevaluatedProperties", "contains")  # fmt: skip
+
+# (schema, [(instance text, valid?)]): each refusal names the keyword that refuses it.
+CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        [("[1,2,3]", None), ("[1,2,1]", "uniqueItems"), ("[1,1.0]", "uniqueItems"), ("[]", None)],
+    ),
+    (
+        {"type": "array", "items": {"enum": ["a", "b", "c", "d", "e"]}, "uniqueItems": True},
+        [('["a","b","c","d","e"]', None), ('["a","b","c","d","e",', "uniqueItems")],
+    ),
+    (
+        {"type": "integer", "not": {"enum": [0, 1, 2, 3, 4]}},
+        [("5", None), ("3", "not"), ("30", None)],
+    ),
+    (
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {}},
+        [('{"ab":1}', None), ('{"aB":1}', "propertyNames"), ('{"a_', "propertyNames")],
+    ),
+    (
+        {"type": "string", "pattern": "^(?!foo)[a-z]+$"},
+        [('"bar"', None), ('"foo"', "pattern"), ('"fo"', None)],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "if": {"properties": {"a": {"minimum": 10}}},
+            "then": {"required": ["b"]},
+            "else": {"properties": {"b": {"maximum": 0}}},
+        },
+        [('{"a":10,"b":1}', None), ('{"a":10}', "if"), ('{"a":1,"b":1}', "if")],
+    ),
+    (
+        {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]},
+        [("-5", None), ("20", None), ("5", "oneOf")],
+    ),
+]
+
+
+def _scan(verifier: SchemaVerifier, text: str) -> str | None:
+    """The keyword refusing ``text`` (fed one character at a time, then the end), or None."""
+    state = ScanState()
+    for ch in text:
+        result = advance(state, ch, verifier, verifier.root)
+        if isinstance(result, str):
+            return result
+        state = result
+    result = finish(state, verifier, verifier.root)
+    return result if isinstance(result, str) else None
+
+
+@pytest.mark.parametrize("schema,cases", CASES)
+def test_verifier_refuses_exactly_the_invalid_completions(
+    schema: dict[str, Any], cases: list[tuple[str, str | None]]
+) -> None:
+    text = verifier_schema_text(json.dumps(schema))
+    assert text is not None, "these keywords need the verifier"
+    verifier = SchemaVerifier.from_text(text)
+    for instance, keyword in cases:
+        assert _scan(verifier, instance) == keyword, instance
+
+
+def test_relaxation_marks_and_removes_the_keywords() -> None:
+    schema = {"type": "array", "items": {"type": "string", "not": {"const": "x"}},
+              "uniqueItems": True}  # fmt: skip
+    relaxed = relax_schema(schema)
+    assert "uniqueItems" not in json.dumps(relaxed.grammar)
+    assert '"not"' not in json.dumps(relaxed.grammar)
+    assert relaxed.verify[VERIFY_KEY] == ["uniqueItems"]
+    assert relaxed.verify["items"][VERIFY_KEY] == ["not"]
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert relax_schema(plain).verify is None and relax_schema(plain).grammar is plain
+
+
+def test_a_finished_document_is_checked_at_the_root() -> None:
+    """Below ``anyOf`` no position is known: the root's check still refuses the document."""
+    schema = {"anyOf": [{"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                        {"type": "string"}]}  # fmt: skip
+    verifier = SchemaVerifier.from_text(verifier_schema_text(json.dumps(schema)) or "")
+    assert _scan(verifier, "[1,2]") is None
+    assert _scan(verifier, "[1,1]") == "uniqueItems"  # named from the error's schema path
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", KEYWORD_FILES)
+def test_suite_files_of_the_verified_keywords(backend: str, name: str) -> None:
+    """The official suite's files for these keywords: every invalid instance of an accepted
+    schema is refused by grammar + verifier; valid ones are counted (most accepted)."""
+    grammar_backend = get_backend(backend)(BYTE_VOCAB)
+    groups = json.loads((SUITE / f"{name}.json").read_text())
+    valid = valid_accepted = verified = 0
+    for group in groups:
+        schema = group["schema"]
+        try:
+            c = Constraint.from_params(json_schema=schema)
+            assert c is not None
+            grammar_backend.validate(c)
+            compiled = grammar_backend.compile(c)
+        except GrammarError:
+            continue
+        verified += isinstance(compiled, VerifiedGrammar)
+        cls = jsonschema.validators.validator_for(schema, jsonschema.Draft202012Validator)
+        for case in group["tests"]:
+            text = json.dumps(case["data"], separators=(",", ":"), ensure_ascii=False)
+            accepted = grammar_accepts(compiled.new_matcher(), text)
+            assert cls(schema).is_valid(case["data"]) == case["valid"]
+            if not case["valid"]:
+                assert not accepted, f"{name}: {group['description']}: {case['description']}"
+            else:
+                valid += 1
+                valid_accepted += accepted
+    if backend != "outlines":  # outlines refuses these files' schemas for other reasons
+        assert verified > 0, f"no schema of {name}.json needed the verifier"
+    assert valid_accepted >= valid // 2, (valid_accepted, valid)

@@ -1,0 +1,166 @@
+"""Speculative decoding with prompt-lookup drafts: the drafter alone; greedy outputs identical
+to plain decoding on the fake runner (whose next token is computed from the context read back
+from the paged KV cache, so a rejected draft's K/V left standing would change the output); and
+the sampled distribution unchanged (rejection sampling), measured on fixed logits."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import fake_runner
+import pytest
+import torch
+from fake_runner import EOS, FakeRunner, attach_core, reference_continuation
+
+from radixlm.config import SchedulerConfig
+from radixlm.radix import BlockPool, RadixCache
+from radixlm.runtime.batch import SampleSlot, ScheduledBatch, ScheduledItem
+from radixlm.runtime.executor import Executor
+from radixlm.runtime.request import Request, RequestStatus
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import Scheduler, TokenAppender
+from radixlm.runtime.scheduler.drafter import Drafter
+
+
+def test_the_drafter_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    d = Drafter(None, ngram_min=1, ngram_max=3)
+    r = Request("a", [5, 6, 7, 8, 9, 5, 6, 7], SamplingParams())
+    assert d.propose(r, 3) == [8, 9, 5]  # "5 6 7" occurred at 0..2
+    r.token_ids += [1, 2]  # "7 1 2": only the 1-gram "2" could match, and it did not occur
+    assert d.propose(r, 3) == []
+    r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes, latest earlier end: position 7
+    assert d.propose(r, 2) == [1, 2]
+    assert Drafter(None, 2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) == []
+
+
+def make(speculative: bool, num_pages: int = 64, **cfg) -> Scheduler:
+    runner = FakeRunner(num_pages, 4)
+    pool = BlockPool(num_pages, 4)
+    if speculative:
+        cfg.update(speculative_algorithm="ngram", speculative_ngram_min=1)
+    config = SchedulerConfig(**cfg)
+    s = Scheduler(
+        pool, RadixCache(pool), config, TokenAppender(None, [EOS], 4096), 4096,
+        debug_integrity=True,
+    )  # fmt: skip
+    return attach_core(s, runner)
+
+
+def run(s: Scheduler, reqs: list[Request]) -> int:
+    for r in reqs:
+        s.add_request(r)
+    steps = 0
+    while s.has_work():
+        s.step()
+        steps += 1
+        assert steps < 5000
+    s.check_integrity()
+    assert s.pool.num_held == 0
+    return steps
+
+
+def requests(seed: int, n: int = 12, out: int = 24) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            f"r{i}",
+            [rng.randrange(3, 60) for _ in range(rng.randint(3, 30))],
+            SamplingParams(max_new_tokens=out, temperature=0),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def periodic(monkeypatch):
+    """A fake model that repeats the context with period 5: drafts are right once it cycles."""
+    monkeypatch.setattr(fake_runner, "reference_next", lambda ctx: ctx[-5] if len(ctx) >= 5 else 3)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"chunked_prefill_size": 8}, {"num_pages": 24}])
+def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(periodic, cfg):
+    plain, spec = make(False, **cfg), make(True, **cfg)
+    a, b = requests(1), requests(1)
+    steps_plain, steps_spec = run(plain, a), run(spec, b)
+    for x, y in zip(a, b):
+        assert y.output_token_ids == x.output_token_ids
+        assert y.output_token_ids == reference_continuation(y.prompt_token_ids, 24)
+        assert y.finish_reason == "length"
+    assert spec.num_accepted_draft_tokens > 0
+    assert steps_spec < steps_plain
+    if "num_pages" in cfg:
+        assert spec.num_retractions > 0
+
+
+def test_rejected_drafts_leave_no_trace():
+    """The sum-based fake model almost never repeats: nearly every draft is rejected, and
+    the outputs are still the reference."""
+    s = make(True)
+    reqs = requests(2, out=40)
+    run(s, reqs)
+    for r in reqs:
+        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 40)
+    assert s.num_draft_tokens > s.num_accepted_draft_tokens
+
+
+def test_a_stop_token_inside_an_accepted_run_cuts_it(periodic):
+    s = make(True)
+    prompt = [10, 11, 12, 13, 14] * 2
+    r = Request("s", prompt, SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=[13]))
+    run(s, [r])
+    assert r.output_token_ids == [10, 11, 12, 13] and r.finish_reason == "stop"
+
+
+class FixedLogits:
+    """Every logits row is the same small distribution (a 'model' for sampling statistics)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.row = logits  # [V]
+        self.device = torch.device("cpu")
+        self.vocab_size = logits.numel()
+        self.page_size = 4
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        return self.row.expand(len(batch.logits_indices), -1).clone()  # [R, V]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Draft [1, 1] against p: the first emitted token is distributed as p (whatever the
+    draft), the second as p too (given the first was accepted)."""
+    logits = torch.tensor([1.0, 2.0, 0.5, 1.5])
+    p = torch.softmax(logits, 0)
+    ex = Executor(FixedLogits(logits), eos_token_ids=[], seed=123)
+    first, second = Counter(), Counter()
+    n = 6000
+    for i in range(n):
+        req = Request(f"q{i}", [0, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=8))
+        req.token_ids.append(3)  # one output token so far, not computed yet
+        req.num_computed_tokens = 3
+        req.status = RequestStatus.RUNNING
+        req.pages = [0]
+        batch = ScheduledBatch([ScheduledItem(req, 3, [1, 1])], samples=[SampleSlot(req, 0)])
+        out = ex.run(batch)
+        run_ = [*out.accepted[0][0], out.token_ids[0]]
+        first[run_[0]] += 1
+        if len(run_) > 1:
+            second[run_[1]] += 1
+    for counts in (first, second):
+        total = sum(counts.values())
+        for t in range(4):
+            assert abs(counts[t] / total - float(p[t])) < 0.03, (t, counts, p)
+
+
+def test_a_repeated_request_drafts_its_earlier_run_from_the_radix_tree():
+    """The sum-based fake model never repeats itself, so prompt lookup finds nothing; a second
+    run of the same prompt drafts the first run's cached output and accepts it."""
+    s = make(True)
+    first = requests(3, n=1, out=40)
+    steps_first = run(s, first)
+    accepted = s.num_accepted_draft_tokens
+    again = requests(3, n=1, out=40)
+    steps_again = run(s, again)
+    assert again[0].output_token_ids == first[0].output_token_ids
+    assert s.num_accepted_draft_tokens - accepted >= 30  # 40 outputs, cached in whole pages
+    assert steps_again <= 2 + 40 // 5 + 2  # prefill, then 5 tokens per step (4 drafted)
+    assert steps_again < steps_first
