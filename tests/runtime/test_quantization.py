@@ -397,3 +397,44 @@ def test_default_model_modes_keep_perplexity_and_shrink_weights(default_model_di
         assert ratio <= ppl_bound and agree >= 0.85, (mode, ratio, agree)
         if mode != "int8":
             assert r.weight_bytes <= 0.35 * base.weight_bytes, (mode, r.weight_bytes)
+
+
+# ---- the engine end to end -----------------------------------------------------------------------
+
+
+def _greedy_by_hand(r: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """Prefill, then n - 1 decode steps, argmax each: what the engine should produce."""
+    ids, out = list(prompt), []
+    pages = list(range(16))
+    fb = ForwardBatch.build([ids], [0], [pages], [[len(ids) - 1]], 4, "cpu")
+    for _ in range(n):
+        tok = int(r.forward(fb).argmax(-1)[0])
+        out.append(tok)
+        fb = ForwardBatch.build([[tok]], [len(ids)], [pages], [[0]], 4, "cpu")
+        ids.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_generates_with_quantized_weights(tiny_llama_dir, mode: str) -> None:
+    from radixlm import Engine, SamplingParams
+
+    prompt = [5, 17, 400, 9, 23, 1000]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", num_threads=1, page_size=4, num_pages=64)
+    with Engine(model=str(tiny_llama_dir), quantization=mode, **kw) as engine:
+        assert isinstance(engine.runner.model.layers[0].mlp.down_proj, QuantLinear)
+        got = engine.generate(prompt, greedy).outputs[0].output_token_ids
+    ref = _greedy_by_hand(runner(tiny_llama_dir, "float32", quantization=mode), prompt, 8)
+    assert got == ref
+
+
+@pytest.mark.slow
+def test_engine_serves_the_default_gguf_as_it_ships(default_model_dir) -> None:
+    from radixlm import Engine, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    with Engine(quantization="gguf", device="cpu", num_threads=1, num_pages=256) as engine:
+        assert engine.runner.weight_bytes < 100e6
+        text = engine.generate("The capital of France is", greedy).outputs[0].text
+    assert "Paris" in text
