@@ -2,7 +2,7 @@
 transformers' own loading of the same GGUF (dequantized to float32: the converted directory).
 
     .venv/bin/python benchmarks/bench_quant_accuracy.py [--modes none,int8,int4-g64,int4-g32,gguf]
-        [--chunk 16] [--out benchmarks/results/quant_accuracy.json]
+        [--chunk 16] [--lm-head int8] [--out benchmarks/results/quant_accuracy.json]
 
 - Teacher-forced mean log-likelihood of a fixed text (the Zen of Python, `this.s`) under
   transformers fp32 and under radixlm in each mode (bfloat16 activations); the perplexity ratio
@@ -74,6 +74,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="none,int8,int4-g64,int4-g32,gguf")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lm-head", default="int8", help="the quantized modes' LM head: int8 | int4")
     p.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per forward)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -112,6 +113,7 @@ def main() -> None:
             CacheConfig(page_size=16, num_pages=64),
             quantization=quant,
             quantization_group_size=int(g or 32),
+            quantization_lm_head=args.lm_head,
         )
         ll = mean_loglik(radix_logits(runner, text_ids, args.chunk), text_ids)
         agree, n, diff = 0, 0, 0.0

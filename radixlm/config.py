@@ -12,6 +12,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
 # int4 group sizes offered (a linear whose K the chosen size does not divide takes the largest
 # offered one that does: 128 does not divide SmolLM2's 576).
 INT4_GROUP_SIZES = (32, 64, 128)
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,9 @@ class EngineConfig:
     # int4 group size, one of INT4_GROUP_SIZES: 32 measured far more accurate on SmolLM2 than 64
     # (perplexity x1.49 at 64); 64 is ~10% faster at 1 row. README has the figures.
     quantization_group_size: int = 32
+    # the LM head in a quantized mode, one of LM_HEAD_QUANTIZATIONS: int8 (shares the tied
+    # embedding's copy) or int4 (faster at 1 row, less accurate; README)
+    quantization_lm_head: str = "int8"
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step
     # constrained decoding: "auto" (per constraint, the first of llguidance / xgrammar / outlines
@@ -134,6 +138,11 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
                 f"got {self.quantization_group_size}"
+            )
+        if self.quantization_lm_head not in LM_HEAD_QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization_lm_head must be one of {LM_HEAD_QUANTIZATIONS}, "
+                f"got {self.quantization_lm_head!r}"
             )
         # NOTE: grammar_backend is checked against the registry by the Engine (importing it
         # here would pull in torch).

@@ -2,7 +2,7 @@
 ms per `ModelRunner.forward` and the weights' resident size.
 
     .venv/bin/python benchmarks/kernels/bench_quant_forward.py [--threads 2] [--iters 20]
-        [--modes none,int8,int4,gguf] [--out benchmarks/results/quant_forward.json]
+        [--modes none,int8,int4,gguf] [--lm-head int8] [--out benchmarks/results/quant_forward.json]
 
 Cases (`bench_cpu_forward.CASES`): decode steps at batch 1 / 8 / 32 / 64 over 300- or 512-token
 contexts, and a 512-token prefill; median of `--iters` after warm-up. Prints the load average and
@@ -27,6 +27,7 @@ from bench_quant_linear import markdown_table  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lm-head", default="int8", help="the quantized modes' LM head: int8 | int4")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--modes", default="none,int8,int4,gguf")
     p.add_argument("--out", type=Path, default=None)
@@ -42,7 +43,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         runner = ModelRunner(
             model_dir, "bfloat16", torch.device("cpu"), CacheConfig(num_pages=4096),
-            quantization=mode,
+            quantization=mode, quantization_lm_head=args.lm_head,
         )  # fmt: skip
         row = {"weight_mb": runner.weight_bytes / 1e6}
         for name, b, ctx, new in CASES:

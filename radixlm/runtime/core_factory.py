@@ -90,6 +90,7 @@ class EngineParts:
                 enforce_eager=cfg.enforce_eager,
                 quantization=cfg.quantization,
                 quantization_group_size=cfg.quantization_group_size,
+                quantization_lm_head=cfg.quantization_lm_head,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -106,6 +107,7 @@ class EngineParts:
             num_threads=cfg.num_threads,
             quantization=cfg.quantization,
             quantization_group_size=cfg.quantization_group_size,
+            quantization_lm_head=cfg.quantization_lm_head,
         )
 
     @property

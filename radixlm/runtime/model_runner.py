@@ -77,6 +77,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         quantization: str = "none",
         quantization_group_size: int = 32,
+        quantization_lm_head: str = "int8",
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
@@ -120,11 +121,18 @@ class ModelRunner:
         model.to_empty(device=device)
         model.to(self.compute_dtype)
         model.tie_weights()
-        model.load_weights(weights)
+        staged = model.load_weights(weights)
+        if staged:  # a GGUF's blocks
+            from radixlm.runtime.quantization import install_quantized
+
+            install_quantized(
+                model, staged, self.compute_dtype, device, quantization_lm_head,
+                quantization_group_size,
+            )  # fmt: skip
         if quantization in ("int8", "int4"):
             from radixlm.runtime.quantization import quantize_model
 
-            quantize_model(model, quantization, quantization_group_size)
+            quantize_model(model, quantization, quantization_group_size, quantization_lm_head)
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()

@@ -328,6 +328,18 @@ def test_int4_group_sizes_and_memory(tiny_llama_dir) -> None:
     assert r.model.layers[0].self_attn.qkv_proj.group_size == 64
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_int4_lm_head_option(tiny_mqa_dir, tiny_llama_dir, mode: str) -> None:
+    """`quantization_lm_head="int4"`: an int4 head beside an int8 embedding (tied or not);
+    logits stay near the int8 head's."""
+    for model_dir in (tiny_llama_dir, tiny_mqa_dir):
+        int8_head = runner(model_dir, quantization=mode)
+        r = runner(model_dir, quantization=mode, quantization_lm_head="int4")
+        assert r.model.lm_head.bits == 4 and r.model.embed_tokens.qweight.dtype == torch.int8
+        assert int8_head.model.lm_head.bits == 8
+        assert _relerr(steps(r), steps(int8_head)) < 0.3
+
+
 def test_gguf_mode_needs_a_gguf_model(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match="needs a .gguf model"):
         runner(tiny_llama_dir, quantization="gguf")
@@ -338,6 +350,7 @@ def test_gguf_mode_needs_a_gguf_model(tiny_llama_dir) -> None:
     [
         ({"quantization": "int3"}, "quantization must be one of"),
         ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
+        ({"quantization": "gguf", "quantization_lm_head": "bf16"}, "quantization_lm_head"),
     ],
 )
 def test_bad_quantization_flag_is_a_clear_error(kwargs, match) -> None:

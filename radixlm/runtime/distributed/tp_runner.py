@@ -137,6 +137,7 @@ class WorkerArgs:
     num_threads: int | None
     quantization: str = "none"
     quantization_group_size: int = 32
+    quantization_lm_head: str = "int8"
 
 
 def _die_with_parent() -> None:
@@ -163,6 +164,7 @@ def _build_runner(args: WorkerArgs, group: TensorParallelGroup) -> Any:
         tp=group,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        quantization_lm_head=args.quantization_lm_head,
     )
 
 
@@ -246,6 +248,7 @@ class TensorParallelRunner:
         num_threads: int | None = None,
         quantization: str = "none",
         quantization_group_size: int = 32,
+        quantization_lm_head: str = "int8",
     ) -> None:
         self.dist_config = dist_config
         self.failed: str | None = None
@@ -264,6 +267,7 @@ class TensorParallelRunner:
             num_threads,
             quantization,
             quantization_group_size,
+            quantization_lm_head,
         )
         from transformers import AutoConfig
 
@@ -407,6 +411,9 @@ def run_worker_node(engine_kwargs: dict[str, Any]) -> int:
         cfg.scheduler.max_model_len,
         dist_config,
         cfg.num_threads,
+        cfg.quantization,
+        cfg.quantization_group_size,
+        cfg.quantization_lm_head,
     )
     ctx = mp.get_context("spawn")
     procs = [

@@ -202,10 +202,12 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x[rows], residual[rows])  # [R, H]
         return self.lm_head(x).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> dict[str, list[QuantizedWeight]]:
         """Load Hugging Face names, fusing q/k/v and gate/up. Missing weights are an error.
-        A `QuantizedWeight` (a GGUF's blocks) replaces its module by a quantized one
-        (`radixlm.runtime.quantization.install_quantized`) once every part is read."""
+        `QuantizedWeight`s (a GGUF's blocks) are returned, not loaded: module path -> its fused
+        parts in order, for `radixlm.runtime.quantization.install_quantized`."""
         params = dict(self.named_parameters())
         staged: dict[str, dict[int, QuantizedWeight]] = {}  # module path -> fused parts
         fused = {
@@ -252,12 +254,7 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
-        if staged:
-            from radixlm.runtime.quantization import install_quantized
-
-            w = self.norm.weight
-            parts = {path: [d[i] for i in sorted(d)] for path, d in staged.items()}
-            install_quantized(self, parts, w.dtype, w.device)
+        return {path: [d[i] for i in sorted(d)] for path, d in staged.items()}
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         attn = self.layers[0].self_attn

@@ -9,9 +9,9 @@ embedding share one copy).
 
 Which linears get which format (`quantize_model`, `install_quantized`):
 - the per-layer projections: int8 per output channel, or int4 in groups (`--quantization`);
-- the embedding and the LM head: int8 per output channel in every mode (measured, see README:
-  a batch-1 SmolLM2 LM head reads 57 MB in bf16 and 28 MB in int8, the step's largest single
-  read; int4 is kept off the logits).
+- the embedding: int8 per output channel; the LM head: int8 per output channel (default, one copy
+  with a tied embedding), or int4 (`--quantization-lm-head int4`: faster at 1 row, a separate
+  copy, less accurate). Figures in the README ("Quantized weights").
 """
 
 from __future__ import annotations
@@ -116,23 +116,55 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
-def _quantize_head_and_embedding(model: nn.Module, dtype: torch.dtype) -> None:
-    head = quantize_linear(model.lm_head, "int8", 0, dtype)
-    if model.tie_word_embeddings:
-        model.embed_tokens = QuantEmbedding(head)
+def _int8_weight(w: torch.Tensor | QuantizedWeight) -> QuantizedWeight:
+    if isinstance(w, torch.Tensor):
+        return quantize_int8(w)
+    return requantize_per_channel_int8(w)
+
+
+def _head_weight(w: torch.Tensor | QuantizedWeight, head: str, group: int) -> QuantizedWeight:
+    """The LM head's weight: int8 per output channel, or (`head` "int4") int4 groups."""
+    if head == "int8":
+        return _int8_weight(w)
+    k = w.shape[1]
+    g = int4_group_for(k, group)
+    if isinstance(w, QuantizedWeight):
+        if w.bits == 4 and w.group_size == g:
+            return w
+        w = w.dequantize()
+    return quantize_int4(w, g)
+
+
+def install_head_and_embedding(
+    model: nn.Module,
+    head_w: torch.Tensor | QuantizedWeight | None,
+    emb_w: torch.Tensor | QuantizedWeight | None,
+    head: str,
+    group: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Quantize the LM head (`head`: "int8" or "int4") and the embedding (int8 per output
+    channel: `QuantEmbedding` gathers rows of a plain int8 weight). `head_w` None on a tied
+    model: the head is the embedding's weight; with an int8 head the two share one copy. A None
+    weight (and no tie) leaves that module as it is."""
+    if head_w is None and model.tie_word_embeddings:
+        head_w = emb_w
+    if head_w is not None:
+        model.lm_head = QuantLinear(_head_weight(head_w, head, group), None, dtype, device)
+    if emb_w is None:
+        return
+    if model.tie_word_embeddings and head == "int8" and head_w is emb_w:
+        model.embed_tokens = QuantEmbedding(model.lm_head)
     else:
-        emb = model.embed_tokens.weight.detach()
-        model.embed_tokens = QuantEmbedding(
-            QuantLinear(quantize_int8(emb), None, dtype, emb.device)
-        )
-    model.lm_head = head
+        model.embed_tokens = QuantEmbedding(QuantLinear(_int8_weight(emb_w), None, dtype, device))
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
+def quantize_model(model: nn.Module, mode: str, group_size: int, head: str = "int8") -> int:
     """Replace the float projections of every layer by `mode` ("int8" / "int4") `QuantLinear`s,
-    and the embedding and LM head by int8 ones; returns how many linears. NOTE: call after the
-    weights are loaded and tied; a tensor-parallel shard is quantized as it is (shard, then
-    quantize)."""
+    the LM head by a `head` one and the embedding by an int8 one; returns how many linears.
+    NOTE: call after the weights are loaded and tied; a tensor-parallel shard is quantized as
+    it is (shard, then quantize)."""
     count = 0
     for layer in model.layers:
         for path in LAYER_PROJECTIONS:
@@ -140,8 +172,10 @@ def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
             if isinstance(lin, nn.Linear):
                 _set(layer, path, quantize_linear(lin, mode, group_size))
                 count += 1
-    dtype = model.lm_head.weight.dtype
-    _quantize_head_and_embedding(model, dtype)
+    w = model.lm_head.weight
+    emb = model.embed_tokens.weight.detach()
+    head_w = None if model.tie_word_embeddings else w.detach()
+    install_head_and_embedding(model, head_w, emb, head, group_size, w.dtype, w.device)
     return count + 1
 
 
@@ -150,12 +184,14 @@ def install_quantized(
     quantized: dict[str, list[QuantizedWeight]],
     dtype: torch.dtype,
     device: torch.device,
+    head: str = "int8",
+    group_size: int = 32,
 ) -> list[str]:
     """Put checkpoint-quantized weights (GGUF blocks) in place: `quantized[path]` lists the fused
     parts of module `path` in order ("embed_tokens", "lm_head" or a layer projection). Parts of
     different formats are dequantized into the float module (one log line). Returns the paths
-    now quantized. The embedding and the LM head become int8 per output channel (requantized
-    from group-wise scales, one log line); a tied LM head shares the embedding's copy."""
+    now quantized. The embedding and the LM head: `install_head_and_embedding` (one log line
+    each)."""
     done: list[str] = []
     requantized: list[str] = []
     for path, parts in quantized.items():
@@ -183,28 +219,19 @@ def install_quantized(
             requantized[0],
         )
     emb = quantized.get("embed_tokens")
-    head = quantized.get("lm_head")
-    if emb is not None or head is not None:
-        for name, parts in (("embedding", emb), ("LM head", head)):
-            if parts is not None and parts[0].group_size != parts[0].shape[1]:
-                logger.info(
-                    "%s: %s blocks of %d requantized to int8 per output channel (the int8 "
-                    "kernel's layout)",
-                    name,
-                    parts[0].source,
-                    parts[0].group_size,
-                )
-        if emb is not None and (head is not None or model.tie_word_embeddings):
-            head_q = QuantLinear((head or emb)[0], None, dtype, device)
-            model.lm_head = head_q
-            model.embed_tokens = QuantEmbedding(
-                head_q if head is None else QuantLinear(emb[0], None, dtype, device)
-            )
-            done += ["embed_tokens", "lm_head"]
-        elif emb is not None:  # untied float head
-            model.embed_tokens = QuantEmbedding(QuantLinear(emb[0], None, dtype, device))
-            done.append("embed_tokens")
-        else:
-            model.lm_head = QuantLinear(head[0], None, dtype, device)  # type: ignore[index]
-            done.append("lm_head")
+    head_parts = quantized.get("lm_head")
+    if emb is not None:
+        logger.info("embedding: %s blocks -> int8 per output channel", emb[0].source)
+    if head_parts is not None or (emb is not None and model.tie_word_embeddings):
+        logger.info(
+            "LM head%s: %s blocks -> %s",
+            "" if head_parts else " (tied)",
+            (head_parts or emb)[0].source,  # type: ignore[index]
+            "int8 per output channel" if head == "int8" else f"int4 in groups of {group_size}",
+        )
+    if emb is not None or head_parts is not None:
+        head_w = None if head_parts is None else head_parts[0]
+        emb_w = None if emb is None else emb[0]
+        install_head_and_embedding(model, head_w, emb_w, head, group_size, dtype, device)
+        done += [p for p, parts in (("embed_tokens", emb), ("lm_head", head_parts)) if parts]
     return done
