@@ -4,6 +4,12 @@
         [--radixlm-args "--attention-backend torch"] [--llama-server PATH] [--threads 2]
         [--vllm-venv DIR] [--seed 0] [--out benchmarks/results/peers.json]
 
+Systems: `radixlm` (bf16), `radixlm-gguf` / `radixlm-int8` / `radixlm-int4` (`radixlm serve
+--quantization gguf|int8|int4`: gguf serves the default model's own Q4_1 blocks, the file
+llama.cpp serves), `vllm-bf16` / `vllm-fp32` (`vllm`: both), `llamacpp`. Each server's RSS (now
+and peak, summed over its process group) is printed and written at the end; radixlm's includes its
+KV pool (`--radixlm-args "--num-pages N"` sizes it like llama.cpp's `-c`).
+
 The systems run one after the other, never at the same time, each on `--threads` CPU threads
 and the same model: radixlm and vLLM serve the converted default model
 (`resolve_model_path(None)`, a safetensors directory) in bfloat16; llama.cpp (only with
@@ -583,8 +589,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default="radixlm,vllm",
-        help="comma list of radixlm, vllm (both dtypes: vllm-bf16 and vllm-fp32), vllm-bf16, "
-        "vllm-fp32, llamacpp",
+        help="comma list of radixlm, radixlm-gguf, radixlm-int8, radixlm-int4, vllm (both "
+        "dtypes: vllm-bf16 and vllm-fp32), vllm-bf16, vllm-fp32, llamacpp",
     )
     p.add_argument("--quick", action="store_true", help="fewer requests per workload")
     p.add_argument("--radixlm-args", default="", help="extra `radixlm serve` flags, one string")
@@ -606,7 +612,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.systems.append("llamacpp")
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
-        p.error(f"--systems: unknown {bad}; choose from radixlm, vllm (llamacpp: --llama-server)")
+        p.error(
+            f"--systems: unknown {bad}; choose from radixlm, {', '.join(QUANT_SYSTEMS)}, vllm "
+            "(llamacpp: --llama-server)"
+        )
     if "llamacpp" in args.systems and args.llama_server is None:
         p.error("llamacpp needs --llama-server PATH")
     return args
