@@ -2,7 +2,7 @@
 transformers' own loading of the same GGUF (dequantized to float32: the converted directory).
 
     .venv/bin/python benchmarks/bench_quant_accuracy.py [--modes none,int8,int4-g64,int4-g32,gguf]
-        [--chunk 16] [--lm-head int8] [--out benchmarks/results/quant_accuracy.json]
+        [--chunk 8] [--lm-head int8] [--out benchmarks/results/quant_accuracy.json]
 
 - Teacher-forced mean log-likelihood of a fixed text (the Zen of Python, `this.s`) under
   transformers fp32 and under radixlm in each mode (bfloat16 activations); the perplexity ratio
@@ -51,8 +51,8 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:  # [L, V] float32
 
 def radix_logits(runner, ids: list[int], chunk: int) -> torch.Tensor:  # [L, V] float32
     """Teacher-forced logits of every position, prefilled in chunks of `chunk` tokens over the
-    paged prefix (below the kernels' `dequant_min_rows`, 16 / 32, the low-bit kernels as in
-    decode; at or above, the float copy as in a long prefill)."""
+    paged prefix (below the kernels' `dequant_min_rows`, int8 16 / int4 32: the low-bit
+    kernels, as in decode; at or above: the float copy, as in a long prefill)."""
     from radixlm.kernels.forward_batch import ForwardBatch
 
     ps = runner.page_size
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--modes", default="none,int8,int4-g64,int4-g32,gguf")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lm-head", default="int8", help="the quantized modes' LM head: int8 | int4")
-    p.add_argument("--chunk", type=int, default=16, help="prefill chunk (tokens per forward)")
+    p.add_argument("--chunk", type=int, default=8, help="prefill chunk (tokens per forward)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
