@@ -24,6 +24,12 @@ _HELP = {
     "num_threads": "torch CPU threads (the forward's team, pinned one per CPU)",
     "enforce_eager": "run the eager reference model instead of the CPU compiled forward "
     "(prepacked oneDNN linears, fused C++ layer ops, one decoder_stack call)",
+    "quantization": "weight-only quantization: none | int8 (per output channel) | int4 "
+    "(groups of --quantization-group-size) | gguf (a .gguf model's own Q8_0/Q4_0/Q4_1/Q4_K "
+    "blocks); the embedding is int8 in every quantized mode",
+    "quantization_group_size": "int4 group size: 32 | 64 | 128",
+    "quantization_lm_head": "the LM head in a quantized mode: int8 (one copy with a tied "
+    "embedding) | int4 (faster at batch 1, less accurate)",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
     "grammar_backend": "constrained decoding backend: auto (per constraint, the first of "

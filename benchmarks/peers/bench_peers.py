@@ -4,6 +4,12 @@
         [--radixlm-args "--attention-backend torch"] [--llama-server PATH] [--threads 2]
         [--vllm-venv DIR] [--seed 0] [--out benchmarks/results/peers.json]
 
+Systems: `radixlm` (bf16), `radixlm-gguf` / `radixlm-int8` / `radixlm-int4` (`radixlm serve
+--quantization gguf|int8|int4`: gguf serves the default model's own Q4_1 blocks, the file
+llama.cpp serves), `vllm-bf16` / `vllm-fp32` (`vllm`: both), `llamacpp`. Each server's RSS (now
+and peak, summed over its process group) is printed and written at the end; radixlm's includes its
+KV pool (`--radixlm-args "--num-pages N"` sizes it like llama.cpp's `-c`).
+
 The systems run one after the other, never at the same time, each on `--threads` CPU threads
 and the same model: radixlm and vLLM serve the converted default model
 (`resolve_model_path(None)`, a safetensors directory) in bfloat16; llama.cpp (only with
@@ -57,7 +63,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared client
 from serving import RequestResult, _free_port, percentile, stream_request  # noqa: E402
 
-SYSTEMS = ("radixlm", "vllm-bf16", "vllm-fp32", "llamacpp")
+# radixlm-<mode>: `radixlm serve --quantization <mode>` (gguf: the default model's Q4_1 blocks as
+# they ship, the file llama.cpp serves)
+QUANT_SYSTEMS = ("radixlm-gguf", "radixlm-int8", "radixlm-int4")
+SYSTEMS = ("radixlm", *QUANT_SYSTEMS, "vllm-bf16", "vllm-fp32", "llamacpp")
 VLLM_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
 SERVED_NAME = "smollm2"
 TORCH_VERSION = "2.13.0"
@@ -394,14 +403,18 @@ class ServerSpec:
     ready_timeout_s: float
 
 
-def radixlm_spec(port: int, model_dir: Path, threads: int, extra: Sequence[str]) -> ServerSpec:
+def radixlm_spec(
+    port: int, model_dir: Path, threads: int, extra: Sequence[str], quantization: str = "none"
+) -> ServerSpec:
     cmd = [
         sys.executable, "-m", "radixlm.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
         "--model", str(model_dir), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16",
-        "--num-threads", str(threads), "--log-level", "warning", *extra,
+        "--num-threads", str(threads), "--log-level", "warning",
+        "--quantization", quantization, *extra,
     ]  # fmt: skip
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return ServerSpec("radixlm", cmd, env, 600)
+    name = "radixlm" if quantization == "none" else f"radixlm-{quantization}"
+    return ServerSpec(name, cmd, env, 600)
 
 
 def vllm_spec(
@@ -435,9 +448,13 @@ def llamacpp_spec(port: int, binary: Path, gguf: Path, threads: int, parallel: i
 
 
 @contextmanager
-def running_server(spec: ServerSpec, port: int, log_path: Path) -> Iterator[str]:
-    """Start `spec` in its own process group, wait for `/v1/models`, yield its URL; on exit stop
-    the whole group (SIGTERM, then SIGKILL after 60 s): vLLM leaves child processes otherwise."""
+def running_server(
+    spec: ServerSpec, port: int, log_path: Path, rss: dict[str, float] | None = None
+) -> Iterator[str]:
+    """Start `spec` in its own process group, wait for `/v1/models`, yield its URL; on exit
+    record the group's memory into `rss` (MB: `rss` now, `peak` high-water marks summed) and
+    stop the whole group (SIGTERM, then SIGKILL after 60 s): vLLM leaves child processes
+    otherwise."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
     env.pop("RADIXLM_API_KEY", None)
@@ -467,7 +484,27 @@ def running_server(spec: ServerSpec, port: int, log_path: Path) -> Iterator[str]
             print(f"{spec.system} ready in {time.monotonic() - t0:.0f} s", flush=True)
             yield url
         finally:
+            if rss is not None:
+                rss.update(group_rss_mb(proc.pid))
             _stop_group(proc)
+
+
+def group_rss_mb(pgid: int) -> dict[str, float]:
+    """Resident memory of every process in group `pgid` (Linux /proc): now and peak, in MB."""
+    now = peak = 0
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            lines = (d / "status").read_text().splitlines()
+            fields = dict(line.split(":", 1) for line in lines if ":" in line)
+        except (OSError, ValueError, IndexError):
+            continue
+        now += int(fields.get("VmRSS", "0 kB").split()[0])
+        peak += int(fields.get("VmHWM", "0 kB").split()[0])
+    return {"rss_mb": now / 1024, "peak_rss_mb": peak / 1024}
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -552,8 +589,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default="radixlm,vllm",
-        help="comma list of radixlm, vllm (both dtypes: vllm-bf16 and vllm-fp32), vllm-bf16, "
-        "vllm-fp32, llamacpp",
+        help="comma list of radixlm, radixlm-gguf, radixlm-int8, radixlm-int4, vllm (both "
+        "dtypes: vllm-bf16 and vllm-fp32), vllm-bf16, vllm-fp32, llamacpp",
     )
     p.add_argument("--quick", action="store_true", help="fewer requests per workload")
     p.add_argument("--radixlm-args", default="", help="extra `radixlm serve` flags, one string")
@@ -575,7 +612,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.systems.append("llamacpp")
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
-        p.error(f"--systems: unknown {bad}; choose from radixlm, vllm (llamacpp: --llama-server)")
+        p.error(
+            f"--systems: unknown {bad}; choose from radixlm, {', '.join(QUANT_SYSTEMS)}, vllm "
+            "(llamacpp: --llama-server)"
+        )
     if "llamacpp" in args.systems and args.llama_server is None:
         p.error("llamacpp needs --llama-server PATH")
     return args
@@ -620,12 +660,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("WARNING: the box is not quiet (load average > 0.5): figures will not count")
     results: list[WorkloadResult] = []
     failures: dict[str, str] = {}
+    memory: dict[str, dict[str, float]] = {}  # system -> its server's RSS, MB
     for system in args.systems:
         port = _free_port()
         try:
-            if system == "radixlm":
+            if system == "radixlm" or system in QUANT_SYSTEMS:
                 extra = shlex.split(args.radixlm_args)
-                spec = radixlm_spec(port, model_dir, args.threads, extra)
+                quant = system.removeprefix("radixlm").removeprefix("-") or "none"
+                spec = radixlm_spec(port, model_dir, args.threads, extra, quant)
             elif system.startswith("vllm-"):
                 venv = ensure_vllm_venv(args.vllm_venv)
                 dtype = {v: k for k, v in VLLM_DTYPES.items()}[system.removeprefix("vllm-")]
@@ -639,7 +681,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 # job does not use; vLLM binds its OpenMP threads to the same list.
                 spec.cmd[:0] = ["taskset", "-c", args.cpu_list]
             print(f"\n== {system}: {shlex.join(spec.cmd)}", flush=True)
-            with running_server(spec, port, logs / f"{system}.log") as url:
+            memory[system] = {}
+            with running_server(spec, port, logs / f"{system}.log", memory[system]) as url:
                 asyncio.run(warm_up(url, warmups))
                 for w in workloads:
                     reqs, duration = asyncio.run(run_workload(url, w))
@@ -654,10 +697,18 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     best = best_of(results, "vllm-", "vllm-best")
     rats = ratios([*results, *best])
+    quant_systems = [s for s in QUANT_SYSTEMS if any(r.system == s for r in results)]
     if any(r.system == "llamacpp" for r in results):
         rats += ratios(results, baseline="llamacpp")
+        for s in quant_systems:
+            rats += ratios(results, system=s, baseline="llamacpp")
+    for s in quant_systems:
+        rats += ratios(results, system=s, baseline="radixlm")
     print()
     print(markdown_table([*results, *best], rats))
+    for system, mem in memory.items():
+        if mem:
+            print(f"{system}: RSS {mem['rss_mb']:.0f} MB, peak {mem['peak_rss_mb']:.0f} MB")
     print(f"\nCPU: {cpu}\nload average at start {load_start}, at end {_loadavg()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -672,6 +723,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "model_dir": str(model_dir),
             "args": {k: str(v) for k, v in vars(args).items()},
             "failures": failures,
+            "memory_mb": memory,
         },
         "workloads": [
             {

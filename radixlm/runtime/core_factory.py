@@ -88,6 +88,9 @@ class EngineParts:
                 model_info=self.model_info,
                 matmul_dtype=cfg.matmul_dtype,
                 enforce_eager=cfg.enforce_eager,
+                quantization=cfg.quantization,
+                quantization_group_size=cfg.quantization_group_size,
+                quantization_lm_head=cfg.quantization_lm_head,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -97,7 +100,15 @@ class EngineParts:
         )
         if cfg.node_rank != 0:
             raise ValueError("node_rank > 0 runs tensor-parallel workers only (`radixlm serve`)")
-        return TensorParallelRunner(*args, max_len, dist, num_threads=cfg.num_threads)
+        return TensorParallelRunner(
+            *args,
+            max_len,
+            dist,
+            num_threads=cfg.num_threads,
+            quantization=cfg.quantization,
+            quantization_group_size=cfg.quantization_group_size,
+            quantization_lm_head=cfg.quantization_lm_head,
+        )
 
     @property
     def grammar(self) -> GrammarManager | None:

@@ -40,6 +40,26 @@ def pick_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def _quant_summary(model) -> str:
+    """`"120 x int4 group 32 from Q4_1 by aten._weight_int4pack_mm_for_cpu, ..."`."""
+    from collections import Counter
+
+    from radixlm.runtime.quantization import QuantEmbedding, QuantLinear
+
+    kinds = Counter(
+        f"int{m.bits} {'per channel' if m.bits == 8 else f'group {m.group_size}'} from "
+        f"{m.source} by {m.kernel.name} (from {m.kernel.dequant_min_rows} rows: dequantized)"
+        for m in model.modules()
+        if isinstance(m, QuantLinear)
+    )
+    out = ", ".join(f"{n} x {k}" for k, n in kinds.items())
+    emb = model.embed_tokens
+    if isinstance(emb, QuantEmbedding):
+        shared = isinstance(model.lm_head, QuantLinear) and emb.qweight is model.lm_head.qweight
+        out += "; embedding int8 rows" + (" of the LM head's copy" if shared else "")
+    return out
+
+
 class ModelRunner:
     """Runs one ragged forward and returns float32 logits of the selected rows."""
 
@@ -55,14 +75,18 @@ class ModelRunner:
         tp: TensorParallelGroup | None = None,
         matmul_dtype: str = "auto",
         enforce_eager: bool = False,
+        quantization: str = "none",
+        quantization_group_size: int = 32,
+        quantization_lm_head: str = "int8",
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
         `radixlm.runtime.models.cpu_linear` (the KV cache always has `dtype`). `enforce_eager`: run
         the reference model (eager ATen ops, `F.linear`) instead of the CPU compiled forward
-        (oneDNN-prepacked linears, fused C++ layer ops)."""
+        (oneDNN-prepacked linears, fused C++ layer ops). `quantization`: one of
+        `radixlm.config.QUANTIZATION_MODES` (`radixlm.runtime.quantization`); a tensor-parallel
+        rank quantizes its own shard."""
         from radixlm.runtime.models.cpu_linear import compute_dtype
-        from radixlm.runtime.models.loader import iter_safetensors
         from radixlm.runtime.models.model_info import load_model_info
 
         self.device = device
@@ -80,7 +104,8 @@ class ModelRunner:
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
         )
         self.tp = tp
-        weights = iter_safetensors(model_dir)
+        self.quantization = quantization
+        weights = self._checkpoint(model_dir, hf_config)
         model_config = hf_config
         if tp is not None and tp.world_size > 1:
             from radixlm.runtime.distributed import sharding
@@ -96,7 +121,18 @@ class ModelRunner:
         model.to_empty(device=device)
         model.to(self.compute_dtype)
         model.tie_weights()
-        model.load_weights(weights)
+        staged = model.load_weights(weights)
+        if staged:  # a GGUF's blocks
+            from radixlm.runtime.quantization import install_quantized
+
+            install_quantized(
+                model, staged, self.compute_dtype, device, quantization_lm_head,
+                quantization_group_size,
+            )  # fmt: skip
+        if quantization in ("int8", "int4"):
+            from radixlm.runtime.quantization import quantize_model
+
+            quantize_model(model, quantization, quantization_group_size, quantization_lm_head)
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
         model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
         model.eval()
@@ -121,8 +157,12 @@ class ModelRunner:
         self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
         self.enforce_eager = enforce_eager
         self.layer_ops, self.linear_method = self._prepare_forward(model)
+        from radixlm.runtime.models.weight_bytes import resident_weight_bytes
+
+        self.weight_bytes = resident_weight_bytes(model)
         logger.info(
-            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s, layer ops=%s, linears=%s",
+            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s, layer ops=%s, "
+            "linears=%s, quantization=%s, weights %.1f MB resident",
             model_dir.name,
             arch,
             device,
@@ -131,7 +171,23 @@ class ModelRunner:
             self.attention_backend_name,
             self.layer_ops,
             self.linear_method,
+            quantization,
+            self.weight_bytes / 1e6,
         )
+
+    def _checkpoint(self, model_dir: Path, hf_config):
+        """The checkpoint's `(name, tensor)` stream: the safetensors, or with `gguf` the source
+        .gguf's tensors, its mapped block types as `QuantizedWeight`s."""
+        if self.quantization != "gguf":
+            from radixlm.runtime.models.loader import iter_safetensors
+
+            return iter_safetensors(model_dir)
+        from radixlm.runtime.models.loader import gguf_source
+        from radixlm.runtime.quantization.gguf_reader import iter_gguf
+
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        return iter_gguf(gguf_source(model_dir), heads, kv_heads)
 
     def _prepare_forward(self, model) -> tuple[str, str]:
         """Choose the forward's layer ops and linears (after the weights are loaded); returns
@@ -166,10 +222,15 @@ class ModelRunner:
             if why_not is None:
                 model.stack = CpuDecoderStack(model, self.attn)
                 linears += ", one decoder_stack call per forward"
+                if model.stack.max_rows is not None:
+                    linears += f" of up to {model.stack.max_rows} rows"
             else:
                 logger.info("layers run from Python: %s", why_not)
         elif lowp is not None:
             add_lowp_copies(model, lowp)
+        if self.quantization != "none":
+            summary = _quant_summary(model)
+            linears = f"{self.quantization} weight-only ({summary}); the rest {linears}"
         if lowp is not None:
             logger.info(
                 "this CPU has no native %s matmul: weights compute in %s (a %s copy for 1-2 row "

@@ -102,6 +102,9 @@ def get_server_info(request: Request, check_integrity: bool = False) -> Response
             "grammar_backend": grammar_backend(engine),
             "max_model_len": engine.max_model_len,
             "tp_size": engine.tp_size,
+            # the resident size of this rank's weights (quantized, prepacked or float)
+            "weight_bytes": getattr(engine.runner, "weight_bytes", None),
+            "linears": getattr(engine.runner, "linear_method", None),
         }
     )
 

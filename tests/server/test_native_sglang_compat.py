@@ -295,5 +295,6 @@ def test_info_aliases_and_abort_fields(http):
     info = http.get("/get_server_info", params={"check_integrity": "true"}).json()
     assert info["kv_integrity"] == "ok"
     assert info["tp_size"] == 1  # SGLang's top-level key
+    assert info["weight_bytes"] > 0 and info["linears"]
     r = http.post("/abort_request", json={"rid": "none", "abort_message": "bye"})
     assert r.status_code == 200 and r.json()["found"] is False

@@ -24,7 +24,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NAME = "radixlm_cpu_ops"
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "threads.cpp", "decoder.cpp")
+SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "threads.cpp", "decoder.cpp", "quant_ops.cpp")
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 
@@ -109,7 +109,8 @@ def load_op(verbose: bool = False) -> Any:
 
     Its ops: `paged_attention` (`paged_attention.cpp`); the fused layer ops `rms_norm`,
     `add_rms_norm`, `rope_`, `silu_and_mul`, `store_kv` (`fused_ops.cpp`, launchers in
-    `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`)."""
+    `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`); `decoder_stack`
+    (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

@@ -6,7 +6,9 @@
 //   qkv = linear(h); rope_(q, k); store_kv; paged_attention; o = linear(attn)
 //   h = add_rms_norm(o, residual); x = linear(silu_and_mul(linear(h)))
 // with the linears through oneDNN on prepacked weights (mkldnn::_linear_pointwise, called through
-// the dispatcher by name). What it removes is the Python between the ops: ~4 ms of a 17 ms
+// the dispatcher by name), or, for a linear given scales, torch's weight-only low-bit kernels on
+// the packed weight (int8: aten::_weight_int8pack_mm; uint8: aten::_weight_int4pack_mm_for_cpu,
+// group size K / scales.size(0)) plus the bias, as radixlm.runtime.quantization.QuantLinear does. What it removes is the Python between the ops: ~4 ms of a 17 ms
 // batch-1 SmolLM2 step (30 layers x ~15 module calls, wrappers and dispatches).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -55,15 +57,34 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
+// A layer linear: oneDNN-prepacked (no scales) or weight-only int8 / int4 (scales given).
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b) {
+  if (!s.has_value()) return packed_linear(x, w, b);
+  at::Tensor y;
+  if (w.scalar_type() == at::kChar) {
+    y = at::_weight_int8pack_mm(x, w, *s);
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kByte, "decoder_stack: quantized weights are int8 or uint8");
+    y = at::_weight_int4pack_mm_for_cpu(x, w, x.size(1) / s->size(0), *s);
+  }
+  if (b.has_value()) y = y + *b;
+  return y;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& x_in,  // [T, H] embeddings
     at::TensorList ln1, at::TensorList ln2,
-    at::TensorList w_qkv, const c10::List<std::optional<at::Tensor>>& b_qkv,
-    at::TensorList w_o, const c10::List<std::optional<at::Tensor>>& b_o,
-    at::TensorList w_gate_up, const c10::List<std::optional<at::Tensor>>& b_gate_up,
-    at::TensorList w_down, const c10::List<std::optional<at::Tensor>>& b_down,
+    at::TensorList w_qkv, const c10::List<std::optional<at::Tensor>>& s_qkv,
+    const c10::List<std::optional<at::Tensor>>& b_qkv,
+    at::TensorList w_o, const c10::List<std::optional<at::Tensor>>& s_o,
+    const c10::List<std::optional<at::Tensor>>& b_o,
+    at::TensorList w_gate_up, const c10::List<std::optional<at::Tensor>>& s_gate_up,
+    const c10::List<std::optional<at::Tensor>>& b_gate_up,
+    at::TensorList w_down, const c10::List<std::optional<at::Tensor>>& s_down,
+    const c10::List<std::optional<at::Tensor>>& b_down,
     at::TensorList k_bufs, at::TensorList v_bufs,
     double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -74,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
                   b_qkv.size() == n && b_o.size() == n && b_gate_up.size() == n &&
-                  b_down.size() == n,
+                  b_down.size() == n && s_qkv.size() == n && s_o.size() == n &&
+                  s_gate_up.size() == n && s_down.size() == n,
               "decoder_stack: every per-layer list must have one entry per layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -88,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = add_rms_norm(x, residual, ln1[l], eps);
     }
-    at::Tensor qkv = packed_linear(h, w_qkv[l], b_qkv.get(l));  // [T, q + 2kv]
+    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l));  // [T, q + 2kv]
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: qkv width mismatch");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
@@ -101,18 +123,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, reduces, part_o, part_lse,
                     page_size, scale);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
-    at::Tensor o = packed_linear(attn.view({t, q_size}), w_o[l], b_o.get(l));
+    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l));
     h = add_rms_norm(o, residual, ln2[l], eps);
-    x = packed_linear(silu_and_mul(packed_linear(h, w_gate_up[l], b_gate_up.get(l))), w_down[l],
-                      b_down.get(l));
+    at::Tensor gate_up = layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l));
+    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l));
   }
   return {x, residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def(
-      "decoder_stack(Tensor x, Tensor[] ln1, Tensor[] ln2, Tensor[] w_qkv, Tensor?[] b_qkv, "
-      "Tensor[] w_o, Tensor?[] b_o, Tensor[] w_gate_up, Tensor?[] b_gate_up, Tensor[] w_down, "
+      "decoder_stack(Tensor x, Tensor[] ln1, Tensor[] ln2, Tensor[] w_qkv, Tensor?[] s_qkv, "
+      "Tensor?[] b_qkv, Tensor[] w_o, Tensor?[] s_o, Tensor?[] b_o, Tensor[] w_gate_up, "
+      "Tensor?[] s_gate_up, Tensor?[] b_gate_up, Tensor[] w_down, Tensor?[] s_down, "
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor page_table, Tensor items, Tensor reduces, Tensor(c!) part_o, Tensor(d!) part_lse, "

@@ -135,6 +135,9 @@ class WorkerArgs:
     max_model_len: int | None
     dist_config: DistributedConfig
     num_threads: int | None
+    quantization: str = "none"
+    quantization_group_size: int = 32
+    quantization_lm_head: str = "int8"
 
 
 def _die_with_parent() -> None:
@@ -159,6 +162,9 @@ def _build_runner(args: WorkerArgs, group: TensorParallelGroup) -> Any:
         args.attention_backend,
         args.max_model_len,
         tp=group,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantization_lm_head=args.quantization_lm_head,
     )
 
 
@@ -240,6 +246,9 @@ class TensorParallelRunner:
         max_model_len: int | None,
         dist_config: DistributedConfig,
         num_threads: int | None = None,
+        quantization: str = "none",
+        quantization_group_size: int = 32,
+        quantization_lm_head: str = "int8",
     ) -> None:
         self.dist_config = dist_config
         self.failed: str | None = None
@@ -256,6 +265,9 @@ class TensorParallelRunner:
             max_model_len,
             dist_config,
             num_threads,
+            quantization,
+            quantization_group_size,
+            quantization_lm_head,
         )
         from transformers import AutoConfig
 
@@ -399,6 +411,9 @@ def run_worker_node(engine_kwargs: dict[str, Any]) -> int:
         cfg.scheduler.max_model_len,
         dist_config,
         cfg.num_threads,
+        cfg.quantization,
+        cfg.quantization_group_size,
+        cfg.quantization_lm_head,
     )
     ctx = mp.get_context("spawn")
     procs = [

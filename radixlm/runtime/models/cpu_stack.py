@@ -4,8 +4,9 @@
 It runs exactly the ops of the Python layer with the `cpu` layer-op set and prepacked linears, in
 the same order, so the two agree to the last bit (tested); it applies only where every piece is
 the compiled one: the `cpu` attention backend reading the op's planned work items, `PackedLinear`
-projections without a low-precision small-row copy, no tensor parallelism. Elsewhere the model
-runs its Python layers (`LlamaForCausalLM.forward`), which stay the reference.
+projections without a low-precision small-row copy or CPU `QuantLinear`s (weight-only int8 /
+int4: the op calls the same torch kernels on the same packed tensors), no tensor parallelism.
+Elsewhere the model runs its Python layers (`LlamaForCausalLM.forward`), which stay the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,24 @@ import torch
 from radixlm.kernels.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+
+def _stackable(m) -> bool:
+    """A prepacked float linear without a small-row copy, or a CPU quantized one (no TP)."""
+    from radixlm.runtime.models.cpu_linear import PackedLinear
+    from radixlm.runtime.quantization import QuantLinear
+
+    if type(m) is PackedLinear:
+        return m.weight_lowp is None
+    return type(m) is QuantLinear and m.qweight.device.type == "cpu" and m.group is None
+
+
+def _weight(m) -> torch.Tensor:
+    return m.qweight if hasattr(m, "qweight") else m.packed
+
+
+def _scales(m) -> torch.Tensor | None:  # None: the oneDNN-prepacked float linear
+    return getattr(m, "scales", None)
 
 
 class CpuDecoderStack:
@@ -46,17 +65,30 @@ class CpuDecoderStack:
             "gate_up": [lay.mlp.gate_up_proj for lay in layers],
             "down": [lay.mlp.down_proj for lay in layers],
         }
-        self.weights = {k: [m.packed for m in v] for k, v in proj.items()}
+        # Quantized linears take inputs of `dequant_min_rows` rows or more by a float copy made
+        # for the call (`QuantLinear.forward`), which the op does not do: the Python layers do.
+        limits = [
+            m.kernel.dequant_min_rows - 1
+            for v in proj.values()
+            for m in v
+            if _scales(m) is not None
+        ]
+        self.max_rows = min(limits) if limits else None
+        self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
+        self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
         self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
+
+    def takes(self, num_tokens: int) -> bool:
+        """Whether the op runs a forward of `num_tokens` rows (else the Python layers do)."""
+        return self.max_rows is None or num_tokens <= self.max_rows
 
     @staticmethod
     def unsupported_reason(model, attn) -> str | None:
         """Why the stack cannot run this model with this backend (None: it can)."""
         from radixlm.kernels.cpu.backend import CpuAttentionBackend
         from radixlm.kernels.cpu.build import load_op
-        from radixlm.runtime.models.cpu_linear import PackedLinear
 
         if load_op() is None:
             return "the CPU ops are unavailable"
@@ -71,8 +103,8 @@ class CpuDecoderStack:
                 layer.mlp.gate_up_proj,
                 layer.mlp.down_proj,
             ):
-                if type(m) is not PackedLinear or m.weight_lowp is not None:
-                    return f"{type(m).__name__} projections (not plain prepacked linears)"
+                if not _stackable(m):
+                    return f"{type(m).__name__} projections (not prepacked or CPU quantized)"
         return None
 
     def __call__(
@@ -80,18 +112,22 @@ class CpuDecoderStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, H] -> (x [T, H], residual [T, H])
         attn = self.attn
         part_o, part_lse = attn.partial_buffers(self.num_heads, self.head_dim)
-        w, b = self.weights, self.biases
+        w, s, b = self.weights, self.scales, self.biases
         return self.op.decoder_stack(
             x,
             self.ln1,
             self.ln2,
             w["qkv"],
+            s["qkv"],
             b["qkv"],
             w["o"],
+            s["o"],
             b["o"],
             w["gate_up"],
+            s["gate_up"],
             b["gate_up"],
             w["down"],
+            s["down"],
             b["down"],
             self.k_bufs,
             self.v_bufs,

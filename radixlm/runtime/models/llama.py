@@ -14,6 +14,7 @@ from torch import nn
 
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.kernels.layer_ops import TORCH_OPS, LayerOps
+from radixlm.runtime.quantization.weights import QuantizedWeight
 
 
 class RMSNorm(nn.Module):
@@ -191,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:  # [R, V] float32
         x = self.embed_tokens(batch.input_ids)  # [T, H]
-        if self.stack is not None:  # the compiled CPU stack: the same ops in one call
+        if self.stack is not None and self.stack.takes(x.shape[0]):  # the same ops, one call
             x, residual = self.stack(x, batch)
         else:
             residual = None
@@ -201,9 +202,14 @@ class LlamaForCausalLM(nn.Module):
         x = self.norm(x[rows], residual[rows])  # [R, H]
         return self.lm_head(x).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face names, fusing q/k/v and gate/up. Missing weights are an error."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]
+    ) -> dict[str, list[QuantizedWeight]]:
+        """Load Hugging Face names, fusing q/k/v and gate/up. Missing weights are an error.
+        `QuantizedWeight`s (a GGUF's blocks) are returned, not loaded: module path -> its fused
+        parts in order, for `radixlm.runtime.quantization.install_quantized`."""
         params = dict(self.named_parameters())
+        staged: dict[str, dict[int, QuantizedWeight]] = {}  # module path -> fused parts
         fused = {
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
@@ -223,13 +229,19 @@ class LlamaForCausalLM(nn.Module):
                 target, shard = fused[parts[-2]]
                 pname = ".".join(parts[:-2] + [target, parts[-1]])
                 param = params[pname]
-                offset, size = self._shard_range(target, shard)
-                param.data[offset : offset + size].copy_(tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    staged.setdefault(pname.removesuffix(".weight"), {})[shard] = tensor
+                else:
+                    offset, size = self._shard_range(target, shard)
+                    param.data[offset : offset + size].copy_(tensor)
                 loaded.add(f"{pname}#{shard}")
                 continue
             if name not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
-            params[name].data.copy_(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                staged.setdefault(name.removesuffix(".weight"), {})[0] = tensor
+            else:
+                params[name].data.copy_(tensor)
             loaded.add(name)
         expected = set()
         for pname in params:
@@ -242,6 +254,7 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise KeyError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        return {path: [d[i] for i in sorted(d)] for path, d in staged.items()}
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         attn = self.layers[0].self_attn

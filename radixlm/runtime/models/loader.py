@@ -316,6 +316,19 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def gguf_source(model_dir: Path) -> Path:
+    """The .gguf file a converted model directory was made from (`quantization="gguf"` loads its
+    blocks as they ship; the directory supplies config and tokenizer)."""
+    marker = Path(model_dir) / COMPLETE_MARKER
+    source = json.loads(marker.read_text()).get("source") if marker.is_file() else None
+    if source is None or not Path(source).is_file():
+        raise ValueError(
+            f"quantization='gguf' needs a .gguf model (a .gguf file, or the default model); "
+            f"{model_dir} was not converted from one that still exists"
+        )
+    return Path(source)
+
+
 def load_tokenizer(model_dir: Path) -> Any:
     """The model directory's Hugging Face tokenizer (local files only)."""
     from transformers import AutoTokenizer

@@ -211,3 +211,35 @@ def test_nccl_single_rank_matches_model_runner(tiny_llama_dir: Path) -> None:
         torch.testing.assert_close(tp.forward(batch), ref)
     finally:
         tp.shutdown()
+
+
+@pytest.mark.parametrize("mode,tol", [("int4", 1e-4), ("int8", 3e-2)])
+def test_tp2_quantized_matches_tp1(tiny_llama_dir: Path, mode: str, tol: float) -> None:
+    """Shard, then quantize: int4 groups of 32 fall inside each rank's input columns, so TP=2
+    computes with TP=1's integers and scales (equal up to the reduction order); int8's one scale
+    per output row of a row-parallel shard spans only that rank's columns (close, not equal)."""
+    from radixlm.config import CacheConfig
+    from radixlm.kernels.forward_batch import ForwardBatch
+    from radixlm.runtime.distributed.parallel_state import DistributedConfig
+    from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
+    from radixlm.runtime.model_runner import ModelRunner
+    from radixlm.runtime.quantization import QuantLinear
+
+    cache = CacheConfig(page_size=4, num_pages=16)
+    args = (tiny_llama_dir, "float32", torch.device("cpu"), cache, "torch", None)
+    quant = dict(quantization=mode, quantization_group_size=32)
+    prefill = ForwardBatch.build(
+        [[1, 2, 3, 4, 5, 6], [9, 8, 7]], [0, 0], [[0, 1], [2]], [[5], [0, 1, 2]], 4, "cpu"
+    )
+    decode = ForwardBatch.build([[11], [12]], [6, 3], [[0, 1], [2]], [[0], [0]], 4, "cpu")
+    one = ModelRunner(*args, **quant)
+    ref = [one.forward(prefill), one.forward(decode)]
+    tp = TensorParallelRunner(*args, DistributedConfig.from_env(2), num_threads=1, **quant)
+    try:
+        down = tp.model.layers[0].mlp.down_proj
+        assert isinstance(down, QuantLinear) and down.group is not None
+        got = [tp.forward(prefill), tp.forward(decode)]
+    finally:
+        tp.shutdown()
+    for g, r in zip(got, ref):
+        assert ((g - r).norm() / r.norm()).item() < tol

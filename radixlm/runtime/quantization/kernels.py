@@ -1,0 +1,253 @@
+"""Weight-only low-bit matmul kernels by (device type, bits): how a `QuantizedWeight` is packed into
+a kernel's layout, and the call that multiplies by it. All are torch's own ops (no extra
+dependency):
+
+- CPU int8: `aten._weight_int8pack_mm(x, q [N, K] int8, scales [N])`, one scale per output row.
+- CPU int4: `aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [K/g, N, 2])`
+  on `aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32)`; it computes
+  `w = (q - 8) * scale + zero`, so `zero = min + 8 * scale` (our `w = q * scale + min`).
+- CUDA int4: `aten._weight_int4pack_mm` on `aten._convert_weight_to_int4pack` (tinygemm, bf16),
+  same zero convention. CUDA int8: `F.linear` on the int8 weight cast to the activation dtype,
+  times the row scales (torch has no CUDA weight-only int8 GEMM).
+
+The C++ layer stack (`radixlm/kernels/cpu/decoder.cpp`) calls the same two CPU ops on the same
+packed tensors, telling them apart by the weight's dtype (int8 / uint8).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixlm.runtime.quantization.weights import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class QuantKernel:
+    """`pack(qw, dtype, device) -> (weight, scales)`; `mm(x [T, K], weight, scales) -> [T, N]`;
+    `dequantize(weight, scales) -> [N, K]` in the scales' dtype (the reference) and
+    `mm_dequantized(x, weight, scales) -> [T, N]`, the product through a float copy made for the
+    call (None: not offered)."""
+
+    name: str
+    pack: Callable[[QuantizedWeight, torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]]
+    mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    dequantize: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    mm_dequantized: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Inputs of at least this many rows take `mm_dequantized`: the low-bit CPU kernels are
+    # compute-bound past a few rows (crossovers measured on SmolLM2's 120 linears, README).
+    dequant_min_rows: int = 1 << 62
+    # The packed int8 weight is the plain [N, K] matrix (an embedding can gather its rows).
+    plain_rows: bool = False
+
+
+def _pack_int8(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+    if qw.bits != 8 or qw.group_size != qw.shape[1]:
+        raise ValueError("the int8 kernels take one scale per output row")
+    return qw.q.contiguous().to(device), qw.scales[:, 0].to(device=device, dtype=dtype)
+
+
+def _scales_and_zeros(qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:  # [K/g, N, 2]
+    if qw.bits != 4:
+        raise ValueError("the int4 kernels take 4-bit weights")
+    zeros = qw.mins + 8 * qw.scales  # type: ignore[operator]
+    return torch.stack([qw.scales, zeros], dim=-1).transpose(0, 1).to(dtype).contiguous()
+
+
+@dataclass(frozen=True)
+class Int4CpuLayout:
+    """Where `_convert_weight_to_int4pack_for_cpu` puts the nibbles of an N-row weight: runs of
+    `count` blocks of `size` rows, each block stored k-major, its rows in `order` along a k
+    (AVX-512: blocks of 64 rows ordered 0, 32, 1, 33, ..., 16, 48, ...; a tail block in row
+    order). Learned by packing probes, not assumed: `int4_cpu_layout`."""
+
+    groups: tuple[tuple[int, int, torch.Tensor], ...]  # (count, size, order [size])
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:  # [...] uint8 -> [... * 2]: low first
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(-1)
+
+
+@functools.cache
+def int4_cpu_layout(n: int) -> Int4CpuLayout:
+    """The layout of an N-row packed weight, from three probe packs of an [N, 2] weight (the
+    k index, and the row index's two low hex digits) read back nibble by nibble."""
+    rows = torch.arange(n)[:, None].expand(n, 2)
+    ks = torch.arange(2)[None, :].expand(n, 2)
+
+    def probe(q: torch.Tensor) -> torch.Tensor:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        return _nibbles(packed).long()
+
+    _, runs = torch.unique_consecutive(probe(ks), return_counts=True)  # k = 0, 1, 0, 1, ...
+    low = probe(rows % 16) + 16 * probe(rows // 16 % 16)  # row index mod 256
+    groups: list[tuple[int, int, torch.Tensor]] = []
+    pos = 0
+    for size in runs[::2].tolist():  # each block: its k = 0 run, then its k = 1 run
+        # nibble j of the block -> its row, relative to the block's first row
+        order = (low[pos : pos + size] - low[pos : pos + size].min()) % 256
+        if groups and groups[-1][1] == size and torch.equal(groups[-1][2], order):
+            groups[-1] = (groups[-1][0] + 1, size, order)
+        else:
+            groups.append((1, size, order))
+        pos += 2 * size
+    return Int4CpuLayout(tuple(groups))
+
+
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:  # -> [N, K] uint8
+    """The [N, K] nibbles `_convert_weight_to_int4pack_for_cpu` packed into `packed`."""
+    nib = _nibbles(packed)
+    out, off = [], 0
+    for count, size, order in int4_cpu_layout(n).groups:
+        seg = nib[off : off + count * k * size].view(count, k, size)[:, :, torch.argsort(order)]
+        out.append(seg.transpose(1, 2).reshape(count * size, k))
+        off += count * k * size
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+INT4_PAIRED, INT4_SPLIT = 0, 1  # `int4_dequantize_t`'s two block layouts
+
+
+@functools.cache
+def int4_cpu_blocks(n: int) -> torch.Tensor | None:
+    """`[NB, 2]`: each block's rows and byte layout, as `int4_dequantize_t` reads an N-row pack
+    (paired: byte i holds rows 2i, 2i + 1; split: rows i, i + size/2); None when a block has
+    neither layout (the twin then dequantizes)."""
+    blocks = []
+    for count, size, order in int4_cpu_layout(n).groups:
+        half = torch.arange(size // 2)
+        paired = torch.stack([2 * half, 2 * half + 1], dim=1).reshape(-1)
+        split = torch.stack([half, half + size // 2], dim=1).reshape(-1)
+        if torch.equal(order, paired):
+            blocks += [(size, INT4_PAIRED)] * count
+        elif torch.equal(order, split):
+            blocks += [(size, INT4_SPLIT)] * count
+        else:
+            return None
+    return torch.tensor(blocks, dtype=torch.int64)
+
+
+def _pack_int4_cpu(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+    q = qw.q.to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    _check_unpack(*qw.shape)
+    return packed, _scales_and_zeros(qw, dtype)
+
+
+@functools.cache
+def _check_unpack(n: int, k: int) -> None:
+    """Once per shape: a probe weight unpacks to itself (the learned layout holds at this K)."""
+    probe = (torch.arange(n * k) * 7 % 16).reshape(n, k).to(torch.int32)
+    again = unpack_int4_cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1), n, k)
+    if not torch.equal(again.to(torch.int32), probe):
+        raise RuntimeError(f"the int4 CPU pack layout of a {n} x {k} weight is not the learned one")
+
+
+def _dequantize_int4_cpu(w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:  # -> [N, K]
+    groups, n = sz.shape[0], sz.shape[1]
+    k = w.shape[1] * 2
+    q = unpack_int4_cpu(w, n, k).view(n, groups, k // groups).to(sz.dtype)
+    s = sz[..., 0].t().contiguous()[..., None]  # [N, G, 1]
+    z = sz[..., 1].t().contiguous()[..., None]
+    return torch.addcmul(z - 8 * s, q, s).view(n, k)  # (q - 8) * s + z
+
+
+def _dequantize_int8(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:  # -> [N, K]
+    return w.to(s.dtype) * s[:, None]
+
+
+# The float copy is made and multiplied this many weight elements at a time (4 MB of bf16): a
+# 49152 x 576 LM head dequantized whole is a fresh 57 MB allocation per call, whose page faults
+# cost more than the dequantization (measured: 68 vs 20 ms).
+DEQUANT_CHUNK_ELEMS = 1 << 21
+
+
+def _row_chunks(n: int, k: int, align: int) -> list[tuple[int, int]]:
+    step = max(align, DEQUANT_CHUNK_ELEMS // k // align * align)
+    return [(n0, min(n, n0 + step)) for n0 in range(0, n, step)]
+
+
+def _mm_dequantized_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    parts = [F.linear(x, _dequantize_int8(w[n0:n1], s[n0:n1])) for n0, n1 in _row_chunks(n, k, 64)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _mm_dequantized_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """`x @ dequantize(w)^T` by a float GEMM on the transposed weight the compiled op writes
+    (`int4_dequantize_t`, reading the pack in order), a run of whole blocks at a time; without
+    the op, the twin."""
+    from radixlm.kernels.cpu.build import load_op
+
+    op = load_op()
+    n, k = sz.shape[1], x.shape[1]
+    blocks = int4_cpu_blocks(n)
+    if op is None or blocks is None:
+        return F.linear(x, _dequantize_int4_cpu(w, sz))
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), blocks[:, 0].cumsum(0)]).tolist()
+    parts = []
+    for n0, n1 in _row_chunks(n, k, int(blocks[0, 0])):
+        b0, b1 = starts.index(n0), starts.index(n1)  # chunks end on block boundaries
+        part_sz = sz[:, n0:n1].contiguous()
+        parts.append(x @ op.int4_dequantize_t(w[n0:n1], blocks[b0:b1], part_sz, k))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _mm_int8(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, w, s)
+
+
+def _mm_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, x.shape[-1] // sz.shape[0], sz)
+
+
+CUDA_INNER_K_TILES = 8
+
+
+def _pack_int4_cuda(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+    q = qw.q.to(device)
+    nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
+    packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, CUDA_INNER_K_TILES)
+    return packed, _scales_and_zeros(qw, dtype).to(device)
+
+
+def _mm_int4_cuda(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm(x, w, x.shape[-1] // sz.shape[0], sz)
+
+
+def _mm_int8_cuda(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w.to(x.dtype)) * s
+
+
+KERNELS: dict[tuple[str, int], QuantKernel] = {
+    ("cpu", 8): QuantKernel(
+        "aten._weight_int8pack_mm",
+        _pack_int8,
+        _mm_int8,
+        _dequantize_int8,
+        _mm_dequantized_int8,
+        dequant_min_rows=16,
+        plain_rows=True,
+    ),
+    ("cpu", 4): QuantKernel(
+        "aten._weight_int4pack_mm_for_cpu",
+        _pack_int4_cpu,
+        _mm_int4_cpu,
+        _dequantize_int4_cpu,
+        _mm_dequantized_int4_cpu,
+        dequant_min_rows=32,
+    ),
+    ("cuda", 8): QuantKernel("int8 weight, F.linear", _pack_int8, _mm_int8_cuda, plain_rows=True),
+    ("cuda", 4): QuantKernel("aten._weight_int4pack_mm", _pack_int4_cuda, _mm_int4_cuda),
+}
+
+
+def get_kernel(device_type: str, bits: int) -> QuantKernel:
+    try:
+        return KERNELS[(device_type, bits)]
+    except KeyError:
+        raise ValueError(f"no int{bits} weight-only kernel for device {device_type!r}") from None

@@ -1,0 +1,453 @@
+"""Weight-only quantization (`radixlm.runtime.quantization`): each quantized linear against its
+dequantized reference, GGUF blocks against gguf's own `dequantize` (bit for bit), the one-call
+CPU layer stack against the Python layers on quantized weights (bit for bit), the engine in every
+mode, and the flag's validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from radixlm.config import CacheConfig, EngineConfig
+from radixlm.kernels.cpu import build
+from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.quantization import (
+    QuantEmbedding,
+    QuantizedWeight,
+    QuantLinear,
+    quantize_int4,
+    quantize_int8,
+    quantize_linear,
+)
+from radixlm.runtime.quantization.gguf_reader import decode_blocks, iter_gguf
+
+CPU = torch.device("cpu")
+IDS = [(i * 7919) % 40000 + 5 for i in range(40)]
+
+
+def _relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ---- linears against their dequantized reference ------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_quant_linear_matches_dequantized_reference(mode, group, dtype, rows) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=True).to(dtype)
+    q = quantize_linear(lin, mode, group)
+    qw = quantize_int8(lin.weight) if mode == "int8" else quantize_int4(lin.weight, group)
+    assert q.bits == qw.bits and q.group_size == qw.group_size
+    x = torch.randn(rows, 256, dtype=dtype)
+    ref = x.double() @ qw.dequantize().double().t() + lin.bias.double()
+    # fp32: the kernels' accumulation order; bf16: activations, scales and output in bf16
+    tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+    assert _relerr(q(x), ref) < tol
+    # and the quantization itself stays near the float weight
+    assert _relerr(qw.dequantize(), lin.weight) < (0.01 if mode == "int8" else 0.12)
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (16, 64), (48, 128), (480, 576), (960, 576)])
+def test_int4_cpu_unpack_inverts_the_pack(n: int, k: int) -> None:
+    """The learned layout of torch's CPU int4 pack (full blocks of 64 rows and tails)."""
+    from radixlm.runtime.quantization.kernels import unpack_int4_cpu
+
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(unpack_int4_cpu(packed, n, k).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("mode,group", [("int8", 0), ("int4", 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_inputs_take_the_dequantized_weight(mode, group, dtype) -> None:
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 96, bias=True).to(dtype)
+    q = quantize_linear(lin, mode, group)
+    x = torch.randn(q.kernel.dequant_min_rows, 256, dtype=dtype)
+    w = q.kernel.dequantize(q.qweight, q.scales)  # [N, K]
+    qw = quantize_int8(lin.weight) if mode == "int8" else quantize_int4(lin.weight, group)
+    # the float copy is the weight the kernel multiplies by (rounded to `dtype`)
+    assert _relerr(w, qw.dequantize()) < (1e-6 if dtype == torch.float32 else 4e-3)
+    kernel = q.kernel.mm(x, q.qweight, q.scales) + q.bias
+    assert _relerr(q(x), kernel) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")
+@pytest.mark.parametrize("n,k,group", [(960, 576, 32), (480, 576, 64), (48, 128, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_dequantize_op_matches_its_twin(n, k, group, dtype) -> None:
+    """The compiled dequantization (full blocks and a tail) against the torch twin: equal in
+    float32; in bf16 the op rounds once, from the float32 value, as `.to(bfloat16)` does."""
+    from radixlm.runtime.quantization.kernels import (
+        _dequantize_int4_cpu,
+        get_kernel,
+        int4_cpu_blocks,
+    )
+
+    torch.manual_seed(5)
+    kernel = get_kernel("cpu", 4)
+    packed, sz = kernel.pack(quantize_int4(torch.randn(n, k), group), dtype, CPU)
+    got = build.load_op().int4_dequantize_t(packed, int4_cpu_blocks(n), sz, k)  # [K, N]
+    twin = _dequantize_int4_cpu(packed, sz.float()).t()
+    assert torch.equal(got, twin.to(dtype))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_dequantized_product_in_row_chunks(mode: str, monkeypatch) -> None:
+    """A weight dequantized a chunk of rows at a time (whole int4 blocks, the tail block last)
+    gives the product of the whole dequantized weight."""
+    from radixlm.runtime.quantization import kernels
+
+    monkeypatch.setattr(kernels, "DEQUANT_CHUNK_ELEMS", 128 * 256)  # 128-row chunks
+    torch.manual_seed(6)
+    lin = nn.Linear(256, 480, bias=False)  # 7 blocks of 64 rows and a 32-row tail
+    q = quantize_linear(lin, mode, 32)
+    x = torch.randn(40, 256)
+    ref = x @ q.kernel.dequantize(q.qweight, q.scales).t()
+    assert _relerr(q.kernel.mm_dequantized(x, q.qweight, q.scales), ref) < 1e-6
+
+
+def test_quantizers_bound_the_error_by_half_a_step() -> None:
+    torch.manual_seed(1)
+    w = torch.randn(48, 128) * torch.rand(48, 1)
+    q8 = quantize_int8(w)
+    assert (w - q8.dequantize()).abs().le(q8.scales / 2 + 1e-7).all()
+    q4 = quantize_int4(w, 32)
+    step = q4.scales.repeat_interleave(32, dim=1)
+    assert (w - q4.dequantize()).abs().le(step / 2 + 1e-6).all()
+    assert q4.q.max() <= 15 and q8.q.abs().max() <= 127
+
+
+def test_quantized_weight_slices_and_fuses_on_group_boundaries() -> None:
+    torch.manual_seed(2)
+    a, b = quantize_int4(torch.randn(32, 128), 32), quantize_int4(torch.randn(16, 128), 32)
+    fused = QuantizedWeight.cat_rows([a, b])
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    cols = fused.narrow(1, 64, 64)
+    assert torch.equal(cols.dequantize(), fused.dequantize()[:, 64:])
+    assert torch.equal(fused.narrow(0, 32, 16).dequantize(), b.dequantize())
+    with pytest.raises(ValueError, match="groups of 32"):
+        fused.narrow(1, 16, 64)
+    with pytest.raises(ValueError, match="differ"):
+        QuantizedWeight.cat_rows([a, quantize_int4(torch.randn(16, 128), 64)])
+
+
+def test_embedding_shares_the_int8_head() -> None:
+    torch.manual_seed(3)
+    emb = torch.randn(160, 64)
+    head = QuantLinear(quantize_int8(emb), None, torch.float32, CPU)
+    e = QuantEmbedding(head)
+    ids = torch.tensor([0, 5, 159, 5])
+    assert torch.equal(e(ids), quantize_int8(emb).dequantize()[ids])
+    assert e.qweight.data_ptr() == head.qweight.data_ptr()
+
+
+# ---- GGUF blocks, bit for bit against gguf's own dequantization ---------------------------------
+
+
+def _random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw blocks with random integers and finite fp16 scales (and mins)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    halves = 2 if type_name in ("Q4_1", "Q4_K") else 1
+    scales = rng.uniform(-0.05, 0.05, size=(rows, k // block, halves)).astype(np.float16)
+    at = size - 2 if type_name == "Q6_K" else 0  # Q6_K keeps its fp16 scale last
+    raw[..., at : at + 2 * halves] = scales.view(np.uint8).reshape(rows, k // block, 2 * halves)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_blocks_dequantize_bit_exact(type_name: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, k = 32, 512
+    raw = _random_blocks(type_name, rows, k, np.random.default_rng(0))
+    qw = decode_blocks(type_name, raw, rows, k)
+    ref = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).reshape(rows, k))
+    assert qw.bits == (8 if type_name == "Q8_0" else 4) and qw.group_size == 32
+    assert torch.equal(qw.dequantize(), ref)
+    if qw.bits == 4:  # and the int4 kernel computes with exactly these integers and scales
+        lin = QuantLinear(qw, None, torch.float32, CPU)
+        x = torch.randn(3, k)
+        assert _relerr(lin(x), x.double() @ ref.double().t()) < 1e-5
+
+
+def test_gguf_file_maps_blocks_and_dequantizes_the_rest(tmp_path, caplog) -> None:
+    """A small .gguf written with gguf's own writer: Q4_1 / Q8_0 tensors come back as blocks
+    (bit-exact), F32 as floats, an unmapped type (Q6_K) dequantized by gguf with a log line
+    naming tensor and type; q/k rows of a `llama` file are un-permuted, others are not."""
+    import logging
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    q41 = quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_up.weight", q41, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    q80 = quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", q80, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q6k = _random_blocks("Q6_K", 64, 256, rng)
+    writer.add_tensor("blk.0.ffn_down.weight", q6k, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    writer.add_tensor("blk.0.attn_norm.weight", w[0])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.INFO, logger="radixlm.runtime.quantization.gguf_reader"):
+        got = dict(iter_gguf(tmp_path / "t.gguf", num_heads=4, num_kv_heads=2))
+    up = got["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, QuantizedWeight) and up.source == "Q4_1"
+    assert torch.equal(
+        up.dequantize(), torch.from_numpy(dequantize(q41, gguf.GGMLQuantizationType.Q4_1))
+    )
+    q = got["model.layers.0.self_attn.q_proj.weight"]
+    assert q.source == "Q8_0"
+    # llama.cpp's converter permuted the q rows; the reader undoes it as transformers'
+    # `_reverse_permute_weights` does: [heads, dim, 2, K] -> swap axes 1, 2
+    dq = torch.from_numpy(dequantize(q80, gguf.GGMLQuantizationType.Q8_0))  # [64, 256]
+    permuted = dq.reshape(4, 8, 2, 256).transpose(1, 2).reshape(64, 256)
+    assert torch.equal(q.dequantize(), permuted)
+    down = got["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, torch.Tensor) and down.shape == (64, 256)
+    assert torch.equal(down, torch.from_numpy(dequantize(q6k, gguf.GGMLQuantizationType.Q6_K)))
+    assert "blk.0.ffn_down.weight has type Q6_K" in caplog.text
+    assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(w[0]))
+
+
+def test_default_gguf_maps_onto_the_converted_weights(default_model_dir) -> None:
+    """The default model's Q4_1 linears and Q8_0 embedding, read as blocks and un-permuted,
+    dequantize to exactly the weights transformers dequantized into the converted directory."""
+    from safetensors import safe_open
+
+    from radixlm.runtime.models.loader import gguf_source
+
+    wanted = {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.29.self_attn.v_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+    }
+    got = {}
+    for name, w in iter_gguf(gguf_source(default_model_dir), 9, 3):
+        if name in wanted:
+            got[name] = w
+    assert set(got) == wanted
+    assert got["model.embed_tokens.weight"].source == "Q8_0"
+    assert got["model.layers.0.self_attn.q_proj.weight"].source == "Q4_1"
+    (file,) = default_model_dir.glob("*.safetensors")
+    with safe_open(str(file), framework="pt") as f:
+        for name, w in got.items():
+            dense = w if isinstance(w, torch.Tensor) else w.dequantize()
+            assert torch.equal(dense, f.get_tensor(name).float()), name
+
+
+# ---- the model: stack vs Python layers, modes vs float ------------------------------------------
+
+
+def runner(model_dir, dtype: str = "bfloat16", **kw) -> ModelRunner:
+    return ModelRunner(model_dir, dtype, CPU, CacheConfig(page_size=4, num_pages=64), **kw)
+
+
+def steps(r: ModelRunner) -> torch.Tensor:
+    """A 13-token prefill, a 17-token extend, then 3 decodes: all logits concatenated."""
+    outs, start = [], 0
+    for n in (13, 17, 1, 1, 1):
+        fb = ForwardBatch.build(
+            [IDS[start : start + n]], [start], [list(range(16))], [list(range(n))], 4, "cpu"
+        )
+        outs.append(r.forward(fb))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_llama_bias_dir"])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_stack_equals_python_layers(request, fixture: str, mode: str) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    r = runner(model_dir, quantization=mode, quantization_group_size=32)
+    assert r.model.stack is not None, "the stack should take quantized linears"
+    assert mode in r.linear_method
+    assert isinstance(r.model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(r.model.embed_tokens, QuantEmbedding)
+    with_stack = steps(r)
+    r.model.stack = None
+    assert torch.equal(with_stack, steps(r))
+    dense = steps(runner(model_dir))
+    tol = 0.05 if mode == "int8" else 0.3
+    assert _relerr(with_stack, dense) < tol
+
+
+@pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")
+def test_prefill_past_the_row_threshold_runs_the_python_layers(tiny_llama_dir, monkeypatch) -> None:
+    """A long prefill leaves the op for the Python layers and the dequantized weights; with the
+    threshold lifted, the same forward through the op and the kernels agrees."""
+    from radixlm.runtime.quantization.kernels import KERNELS
+
+    kernel = KERNELS[("cpu", 4)]
+    ids = [(i * 7919) % 40000 + 5 for i in range(kernel.dequant_min_rows + 12)]
+    fb = ForwardBatch.build([ids], [0], [list(range(64))], [list(range(len(ids)))], 4, "cpu")
+    r = ModelRunner(
+        tiny_llama_dir, "float32", CPU, CacheConfig(page_size=4, num_pages=64), quantization="int4"
+    )
+    assert not r.model.stack.takes(len(ids)) and r.model.stack.takes(1)
+    dequantized = r.forward(fb)
+    lifted = dataclasses.replace(kernel, dequant_min_rows=10**9)
+    for m in r.model.modules():
+        if isinstance(m, QuantLinear) and m.bits == 4:
+            monkeypatch.setattr(m, "kernel", lifted)
+    r.model.stack.max_rows = None
+    assert _relerr(dequantized, r.forward(fb)) < 1e-5
+
+
+def test_int4_group_sizes_and_memory(tiny_llama_dir) -> None:
+    dense = runner(tiny_llama_dir)
+    for g in (32, 64):
+        r = runner(tiny_llama_dir, quantization="int4", quantization_group_size=g)
+        assert r.model.layers[0].self_attn.qkv_proj.group_size == g
+        assert r.weight_bytes < 0.6 * dense.weight_bytes  # tiny: norms and the int8 head weigh
+    # 128 does not divide hidden 64: those linears take the largest offered size that does
+    r = runner(tiny_llama_dir, quantization="int4", quantization_group_size=128)
+    assert r.model.layers[0].self_attn.qkv_proj.group_size == 64
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_int4_lm_head_option(tiny_mqa_dir, tiny_llama_dir, mode: str) -> None:
+    """`quantization_lm_head="int4"`: an int4 head beside an int8 embedding (tied or not);
+    logits stay near the int8 head's."""
+    for model_dir in (tiny_llama_dir, tiny_mqa_dir):
+        int8_head = runner(model_dir, quantization=mode)
+        r = runner(model_dir, quantization=mode, quantization_lm_head="int4")
+        assert r.model.lm_head.bits == 4 and r.model.embed_tokens.qweight.dtype == torch.int8
+        assert int8_head.model.lm_head.bits == 8
+        assert _relerr(steps(r), steps(int8_head)) < 0.3
+
+
+def test_gguf_mode_needs_a_gguf_model(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        runner(tiny_llama_dir, quantization="gguf")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"quantization": "int3"}, "quantization must be one of"),
+        ({"quantization": "int4", "quantization_group_size": 48}, "quantization_group_size"),
+        ({"quantization": "gguf", "quantization_lm_head": "bf16"}, "quantization_lm_head"),
+    ],
+)
+def test_bad_quantization_flag_is_a_clear_error(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_cli_flag_reaches_the_config() -> None:
+    import argparse
+
+    from radixlm.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--quantization", "gguf", "--quantization-group-size", "64"]))
+    cfg = EngineConfig.from_kwargs(**kw)
+    assert cfg.quantization == "gguf" and cfg.quantization_group_size == 64
+
+
+# ---- the default model ---------------------------------------------------------------------------
+
+
+def _zen() -> str:
+    """A fixed text nobody here wrote: the Zen of Python."""
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
+        import this
+
+    return codecs.decode(this.s, "rot13")
+
+
+@pytest.mark.slow
+def test_default_model_modes_keep_perplexity_and_shrink_weights(default_model_dir) -> None:
+    """Teacher-forced perplexity of a fixed text in each mode against bf16 (the issue's bounds:
+    int8 within 2%, int4 within 10%), greedy agreement with bf16 on it, and the weights'
+    resident size (int4 / gguf <= 0.35x of bf16's)."""
+    from radixlm.runtime.models.loader import load_tokenizer
+
+    ids = load_tokenizer(default_model_dir)(_zen())["input_ids"]
+    fb = ForwardBatch.build([ids], [0], [list(range(64))], [list(range(len(ids)))], 4, "cpu")
+
+    def loglik(logits: torch.Tensor) -> float:
+        lp = torch.log_softmax(logits[:-1].double(), dim=-1)
+        return lp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+
+    base = runner(default_model_dir)
+    ref = base.forward(fb)
+    for mode, ppl_bound in (("int8", 1.02), ("int4", 1.10), ("gguf", 1.10)):
+        r = runner(default_model_dir, quantization=mode)
+        assert r.model.stack is not None
+        out = r.forward(fb)
+        ratio = float(np.exp(loglik(ref) - loglik(out)))
+        agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        assert ratio <= ppl_bound and agree >= 0.85, (mode, ratio, agree)
+        if mode != "int8":
+            assert r.weight_bytes <= 0.35 * base.weight_bytes, (mode, r.weight_bytes)
+
+
+# ---- the engine end to end -----------------------------------------------------------------------
+
+
+def _greedy_by_hand(r: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    """Prefill, then n - 1 decode steps, argmax each: what the engine should produce."""
+    ids, out = list(prompt), []
+    pages = list(range(16))
+    fb = ForwardBatch.build([ids], [0], [pages], [[len(ids) - 1]], 4, "cpu")
+    for _ in range(n):
+        tok = int(r.forward(fb).argmax(-1)[0])
+        out.append(tok)
+        fb = ForwardBatch.build([[tok]], [len(ids)], [pages], [[0]], 4, "cpu")
+        ids.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_generates_with_quantized_weights(tiny_llama_dir, mode: str) -> None:
+    from radixlm import Engine, SamplingParams
+
+    prompt = [5, 17, 400, 9, 23, 1000]
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", num_threads=1, page_size=4, num_pages=64)
+    with Engine(model=str(tiny_llama_dir), quantization=mode, **kw) as engine:
+        assert isinstance(engine.runner.model.layers[0].mlp.down_proj, QuantLinear)
+        got = engine.generate(prompt, greedy).outputs[0].output_token_ids
+    ref = _greedy_by_hand(runner(tiny_llama_dir, "float32", quantization=mode), prompt, 8)
+    assert got == ref
+
+
+@pytest.mark.slow
+def test_engine_serves_the_default_gguf_as_it_ships(default_model_dir) -> None:
+    from radixlm import Engine, SamplingParams
+
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    with Engine(quantization="gguf", device="cpu", num_threads=1, num_pages=256) as engine:
+        assert engine.runner.weight_bytes < 100e6
+        text = engine.generate("The capital of France is", greedy).outputs[0].text
+    assert "Paris" in text
