@@ -182,6 +182,34 @@ class Executor:
         prompt_lps, prompt_tops = self._prompt_logprobs(batch, logits, lp_positions)
         # One sampling row per sample, k + 1 for a sample verifying a draft of k tokens: row i
         # samples after the draft's first i tokens (which its penalties / min_tokens count).
+        if any(item.draft for item in batch.items):
+            token_ids, logprobs, errors, accepted = self._verify(batch, logits, sample_row)
+        else:  # no speculative draft: one row per sample
+            rows = [sample_row[s.item] for s in batch.samples]
+            reqs = [s.req for s in batch.samples]
+            token_ids, logprobs, errors = self._sample_rows(reqs, logits, rows, [[]] * len(rows))
+            accepted = {}
+        return StepOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            accepted=accepted,
+            prompt_logprobs=prompt_lps,
+            prompt_top_logprobs=prompt_tops,
+            forward_seconds=t1 - t0,
+            sample_seconds=time.perf_counter() - t1,
+            errors=errors,
+        )
+
+    def _verify(
+        self, batch: ScheduledBatch, logits: torch.Tensor, sample_row: list[int]
+    ) -> tuple[
+        list[int],
+        list[TokenLogprob | None],
+        dict[int, SampleError],
+        dict[int, tuple[list[int], list[TokenLogprob | None]]],
+    ]:
+        """Sampling for a batch with speculative drafts: per sample, its token, logprob,
+        error, and the draft tokens accepted before the token (`StepOutput` fields)."""
         rows, reqs, prefixes, spans = [], [], [], []
         for s in batch.samples:
             item = batch.items[s.item]
@@ -208,16 +236,7 @@ class Executor:
             logprobs.append(lps[start + a])
             if draft:
                 accepted[j] = (draft[:a], lps[start : start + a])
-        return StepOutput(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            accepted=accepted,
-            prompt_logprobs=prompt_lps,
-            prompt_top_logprobs=prompt_tops,
-            forward_seconds=t1 - t0,
-            sample_seconds=time.perf_counter() - t1,
-            errors=errors,
-        )
+        return token_ids, logprobs, errors, accepted
 
     def _sample_rows(
         self,
