@@ -2,7 +2,8 @@
 decoding, in process, on the default model.
 
     .venv/bin/python benchmarks/bench_speculative.py [--threads 2] [--tokens 128]
-        [--batches 1,8] [--draft-tokens 4] [--out benchmarks/results/speculative.json]
+        [--batches 1,8] [--draft-tokens 4] [--disable-by-batch-size N]
+        [--out benchmarks/results/speculative.json]
 
 Two workloads, greedy, chat template, `--tokens` new tokens at most:
 - `quote`: the answer repeats spans of the prompt (copy a passage, fix one word in a JSON record,
@@ -75,6 +76,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--disable-by-batch-size", type=int, default=None, help="override the engine's default"
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
@@ -88,6 +92,11 @@ def main() -> None:
             **common,
             speculative_algorithm="ngram",
             speculative_num_draft_tokens=args.draft_tokens,
+            **(
+                {}
+                if args.disable_by_batch_size is None
+                else {"speculative_disable_by_batch_size": args.disable_by_batch_size}
+            ),
         ),
     }
     rows: list[dict[str, Any]] = []
