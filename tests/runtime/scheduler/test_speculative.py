@@ -185,3 +185,38 @@ def test_draft_length_adapts_and_large_batches_do_not_draft(periodic):
     none = make(True, speculative_disable_by_batch_size=1)
     run(none, requests(1, n=2))
     assert none.num_draft_tokens == 0
+
+
+def test_n_branches_and_aborts_with_drafting(periodic):
+    """n > 1 branches draft independently and match plain decoding; an abort mid-draft leaves
+    no page held."""
+    plain, spec = make(False), make(True)
+    outs = []
+    for s in (plain, spec):
+        deltas: list = []
+        group = Request(
+            "g", [7, 8, 9, 10, 11] * 2, SamplingParams(max_new_tokens=20, temperature=0, n=3),
+            sink=deltas.append,
+        )  # fmt: skip
+        run(s, [group])
+        tokens: dict[int, list[int]] = {}
+        for d in deltas:
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+        outs.append(tokens)
+    assert sorted(outs[0]) == [0, 1, 2] and outs[0] == outs[1]
+    assert all(len(t) == 20 for t in outs[1].values())
+    s = make(True)
+    reqs = requests(4, n=4, out=30)
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(6):
+        s.step()
+    assert s.num_draft_tokens > 0
+    done = s.abort("r1") + s.abort("r2")
+    assert {r.request_id for r in done} == {"r1", "r2"}
+    while s.has_work():
+        s.step()
+    s.check_integrity()
+    assert s.pool.num_held == 0
+    for r in (reqs[0], reqs[3]):
+        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 30)
