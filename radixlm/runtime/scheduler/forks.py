@@ -15,10 +15,9 @@ from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.pages import PageManager
 
 
-def make_branch(parent: Request, index: int, init: Callable[[Request], None]) -> Request:
-    """Branch `index` of `parent`'s group: the same prompt and params, a fork of its matcher
-    (taken before the parent's first sample, so the states are equal)."""
-    child = Request(
+def sibling(parent: Request, index: int) -> Request:
+    """A bare request for branch `index` of `parent`'s group: the same prompt, params, sink."""
+    return Request(
         request_id=parent.request_id,
         prompt_token_ids=parent.prompt_token_ids,
         params=parent.params,
@@ -27,6 +26,12 @@ def make_branch(parent: Request, index: int, init: Callable[[Request], None]) ->
         index=index,
         arrival_time=parent.arrival_time,
     )
+
+
+def make_branch(parent: Request, index: int, init: Callable[[Request], None]) -> Request:
+    """Branch `index` of `parent`'s group, ready to run: its detokenizer (`init`) and a fork of
+    the parent's matcher (taken before the parent's first sample, so the states are equal)."""
+    child = sibling(parent, index)
     init(child)
     if parent.grammar is not None:
         assert parent.grammar.num_accepted == 0, "forking a matcher that accepted tokens"
@@ -82,17 +87,6 @@ class ForkPlanner:
         """The branches `parent` never forked (it finished first), as bare requests that end
         with it (nothing attached: they never run)."""
         n = parent.params.n
-        out = [
-            Request(
-                parent.request_id,
-                parent.prompt_token_ids,
-                parent.params,
-                sink=parent.sink,
-                namespace=parent.namespace,
-                index=k,
-                arrival_time=parent.arrival_time,
-            )
-            for k in range(n - parent.pending_forks, n)
-        ]
+        out = [sibling(parent, k) for k in range(n - parent.pending_forks, n)]
         parent.pending_forks = 0
         return out
