@@ -118,10 +118,17 @@ def make_paged_case(
     dtype: torch.dtype,
     seed: int = 0,
     device: str = DEVICE,
+    groups: list[int] | None = None,
+    shared_tokens: int = 0,
 ) -> PagedCase:
-    """Random q/k/v for ragged requests; pages drawn at random from a pool with spare pages."""
+    """Random q/k/v for ragged requests; pages drawn at random from a pool with spare pages.
+
+    `groups[i] >= 0` puts request i in a group whose members share their first
+    `shared_tokens` positions (a multiple of `page_size`): the same physical pages holding the
+    same K/V, as after a radix-cache prefix hit."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
+    assert shared_tokens % page_size == 0
     num_pages = sum(-(-(p + n) // page_size) for p, n in shapes) + 3
     cache = KVCache.allocate(1, num_pages, page_size, hkv, d, dtype, device)
     cache.k_buffers[0].copy_(torch.randn(cache.k_buffers[0].shape, generator=gen))  # junk
@@ -129,11 +136,23 @@ def make_paged_case(
     free = list(range(num_pages))
     rng.shuffle(free)
     pages, k_seq, v_seq, qs = [], [], [], []
-    for prefix, new in shapes:
+    shared: dict[int, tuple[list[int], torch.Tensor, torch.Tensor]] = {}
+    for i, (prefix, new) in enumerate(shapes):
         L = prefix + new
         pg = [free.pop() for _ in range(-(-L // page_size))]
         k = torch.randn(L, hkv, d, generator=gen).to(dtype).to(device)
         v = torch.randn(L, hkv, d, generator=gen).to(dtype).to(device)
+        g = groups[i] if groups is not None else -1
+        if g >= 0:
+            assert prefix >= shared_tokens
+            n_sh = shared_tokens // page_size
+            if g not in shared:
+                shared[g] = (pg[:n_sh], k[:shared_tokens], v[:shared_tokens])
+            else:
+                free.extend(pg[:n_sh])  # this member's own copies are not used
+            pg[:n_sh] = shared[g][0]
+            k[:shared_tokens] = shared[g][1]
+            v[:shared_tokens] = shared[g][2]
         qs.append(torch.randn(new, hq, d, generator=gen).to(dtype).to(device))
         slots = torch.tensor([pg[j // page_size] * page_size + j % page_size for j in range(L)])
         slots = slots.to(device)

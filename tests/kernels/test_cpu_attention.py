@@ -162,6 +162,44 @@ def test_engine_matches_torch_engine(tiny_qwen2_dir):
     assert tokens == run_engine(tiny_qwen2_dir, "torch")
 
 
+def test_engine_shared_prefix_items_match_torch_engine(tiny_qwen2_dir, monkeypatch):
+    """Concurrent requests behind one 150-token prompt (a radix hit for all but the first):
+    their decode rows attend to the shared pages in shared-prefix items, and the greedy tokens
+    are those of the torch backend."""
+    from radixlm.kernels.cpu import backend as cpu_backend
+
+    planned: list[int] = []
+    real_plan = cpu_backend.plan_work
+
+    def spy(*args, **kwargs):
+        plan = real_plan(*args, **kwargs)
+        planned.append(plan.num_shared_items)
+        return plan
+
+    monkeypatch.setattr(cpu_backend, "plan_work", spy)
+    system = [(i * 7919) % 40000 + 5 for i in range(150)]
+    prompts = [system + [11 + i, 12 + 2 * i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    out = {}
+    for backend in ("cpu", "torch"):
+        engine = Engine(
+            str(tiny_qwen2_dir),
+            dtype="float32",
+            attention_backend=backend,
+            num_pages=256,
+            page_size=4,
+            num_threads=1,
+            device="cpu",
+        )
+        with engine:
+            engine.generate([system + [5]], SamplingParams(max_new_tokens=1))  # cache it
+            out[backend] = [r.output_token_ids for r in engine.generate(prompts, params)]
+            assert engine.wait_idle(timeout=30)
+            engine.check_integrity()
+    assert max(planned) >= 1
+    assert out["cpu"] == out["torch"]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_logits_match_torch_runner(tiny_llama_dir, dtype):
     """Logits of every position (prefill, extend over the paged prefix, decodes) agree."""
@@ -250,3 +288,69 @@ def test_fallback_logs_once_in_process(monkeypatch, caplog):
         assert resolve_backend_name("auto", "cpu") == "torch"
     assert len(caplog.records) == 1
     assert "simulated load failure" in caplog.records[0].getMessage()
+
+
+# Decode rows of three groups sharing 64 / 256 / 512 leading keys on the same pages (a system
+# prompt after a radix hit), a row on its own, and extend rows between them.
+SHARED_SHAPES = [
+    (300, 1),
+    (0, 9),
+    (301, 1),
+    (520, 1),
+    (512, 1),
+    (260, 1),
+    (700, 1),
+    (64, 12),
+    (400, 1),
+    (513, 1),
+    (90, 1),
+]
+SHARED_GROUPS = [0, -1, 0, 1, 1, 0, 1, -1, 0, 1, 2]
+
+
+def run_planned(case, **knobs: Any) -> tuple[torch.Tensor, Any]:
+    """The "cpu" backend with plan knobs set (`min_shared_tokens`, `min_tokens_per_split`)."""
+    cache = KVCache([case.k_buf.clone()], [case.v_buf.clone()], case.cache.page_size)
+    backend = create_attention_backend("cpu", cache)
+    for name, value in knobs.items():
+        setattr(backend, name, value)
+    backend.init_forward(case.batch)
+    return backend.forward(0, case.q, case.k_new, case.v_new, SCALE), backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64)], ids=str)
+@pytest.mark.parametrize("shared_tokens", [256, 512])
+@pytest.mark.parametrize("split_at", [256, 48], ids=["whole", "split"])
+def test_shared_prefix_items_match_dense(paged_case, dtype, heads, shared_tokens, split_at):
+    """Decode rows whose first pages are the same physical pages attend to them in one
+    shared-prefix item (each K/V block read once for all of them; "split": the shared keys
+    and each row's own keys cut into several partials), their own keys apart, and a reduce
+    combines them: the output matches dense SDPA, the torch twin and the plan without
+    shared items."""
+    hq, hkv, d = heads
+    groups = [g if g != 2 else -1 for g in SHARED_GROUPS]  # group 2 would be a group of one
+    # rows not longer than the shared run stay out of the groups
+    groups = [g if p > shared_tokens else -1 for g, (p, _) in zip(groups, SHARED_SHAPES)]
+    case = paged_case(
+        SHARED_SHAPES,
+        hq,
+        hkv,
+        d,
+        16,
+        dtype,
+        seed=11,
+        device="cpu",
+        groups=groups,
+        shared_tokens=shared_tokens,
+    )
+    out, backend = run_planned(case, min_tokens_per_split=split_at)
+    assert backend.num_shared_items >= (1 if split_at == 256 else 2)
+    tol = case.tol()
+    torch.testing.assert_close(out.float(), case.dense_reference(SCALE), atol=tol, rtol=tol)
+    twin_tol = tol if dtype == torch.float32 else 2 * tol
+    twin = case.torch_twin(SCALE).float()
+    torch.testing.assert_close(out.float(), twin, atol=twin_tol, rtol=twin_tol)
+    out_off, off = run_planned(case, min_tokens_per_split=split_at, min_shared_tokens=0)
+    assert off.num_shared_items == 0
+    torch.testing.assert_close(out.float(), out_off.float(), atol=tol, rtol=tol)

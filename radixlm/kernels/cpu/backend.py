@@ -19,6 +19,7 @@ import torch
 
 from radixlm.kernels.cpu.build import load_error, load_op
 from radixlm.kernels.cpu.fused import store_kv
+from radixlm.kernels.cpu.plan import PlanConfig, plan_work
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
@@ -68,56 +69,38 @@ class CpuAttentionBackend:
         self.max_kv_splits = 16
         self.min_tokens_per_split = 256
         self.extend_block = 64
+        # Decode rows sharing at least this many leading keys on the same pages attend to
+        # them in one shared-prefix item (0: off).
+        self.min_shared_tokens = 128
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
-        """Plan the work items once per forward (shared by all layers)."""
+        """Plan the work items once per forward (shared by all layers): `plan.plan_work`."""
         self._batch = batch
         if self._twin is not None:
             self._twin.init_forward(batch)
             return
-        threads = torch.get_num_threads()
-        ext = batch.extend_lens_cpu
-        seq = batch.seq_lens_cpu
-        num_decode = sum(1 for e in ext if e == 1)
-        items: list[tuple[int, ...]] = []  # (req, row0, nq, pos0, kv_lo, kv_hi, part)
-        reduces: list[tuple[int, int, int]] = []  # (row, part0, nparts)
-        num_parts = 0
-        row = 0
-        for r, (e, n) in enumerate(zip(ext, seq)):
-            prefix = n - e
-            if e == 1:
-                if self.force_num_kv_splits is not None:
-                    splits = min(self.force_num_kv_splits, n)
-                else:
-                    splits = choose_num_kv_splits(
-                        num_decode,
-                        n,
-                        threads,
-                        self.max_kv_splits,
-                        self.min_tokens_per_split,
-                    )
-                if splits > 1:
-                    chunk = -(-n // splits)
-                    starts = range(0, n, chunk)
-                    reduces.append((row, num_parts, len(starts)))
-                    for lo in starts:
-                        items.append((r, row, 1, prefix, lo, min(n, lo + chunk), num_parts))
-                        num_parts += 1
-                else:
-                    items.append((r, row, 1, prefix, 0, n, -1))
-            else:
-                for q0 in range(0, e, self.extend_block):
-                    nq = min(self.extend_block, e - q0)
-                    items.append((r, row + q0, nq, prefix + q0, 0, n, -1))
-            row += e
-        # Longest first (cost ~ query rows x keys): dynamic hand-out then balances the threads.
-        items.sort(key=lambda it: -it[2] * (min(it[5], it[3] + it[2]) - it[4]))
-        self.items = torch.tensor(items, dtype=torch.int32).reshape(-1, 7)
-        self.reduces = torch.tensor(reduces, dtype=torch.int32).reshape(-1, 3)
-        self.num_parts = num_parts
-        self.num_kv_splits = max((n for _, _, n in reduces), default=1)
         self.page_table = batch.page_table.to(torch.int32).contiguous()
+        plan = plan_work(
+            batch.extend_lens_cpu,
+            batch.seq_lens_cpu,
+            self.page_table,
+            batch.page_size,
+            PlanConfig(
+                threads=torch.get_num_threads(),
+                max_kv_splits=self.max_kv_splits,
+                min_tokens_per_split=self.min_tokens_per_split,
+                extend_block=self.extend_block,
+                force_num_kv_splits=self.force_num_kv_splits,
+                min_shared_tokens=self.min_shared_tokens,
+            ),
+        )
+        self.items = plan.items
+        self.item_rows = plan.item_rows
+        self.reduces = plan.reduces
+        self.num_parts = plan.num_parts
+        self.num_kv_splits = plan.num_kv_splits
+        self.num_shared_items = plan.num_shared_items
         # Split-KV scratch, allocated by the first layer (Hq and D are known there).
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -162,6 +145,7 @@ class CpuAttentionBackend:
             out,
             self.page_table,
             self.items,
+            self.item_rows,
             self.reduces,
             parts[0],
             parts[1],

@@ -31,8 +31,8 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, con
               const at::Tensor& v);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                      at::Tensor& out, const at::Tensor& page_table, const at::Tensor& items,
-                     const at::Tensor& reduces, at::Tensor& part_o, at::Tensor& part_lse,
-                     int64_t page_size, double scale);
+                     const at::Tensor& item_rows, const at::Tensor& reduces,
+                     at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size, double scale);
 
 namespace {
 
@@ -89,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
-    const at::Tensor& reduces, at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size,
-    double scale) {
+    const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
+    at::Tensor& part_lse, int64_t page_size, double scale) {
   const int64_t n = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
@@ -120,8 +120,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     store_kv(k_buf, v_buf, slots, k, v);
     at::Tensor qc = q.scalar_type() == k_buf.scalar_type() ? q : q.to(k_buf.scalar_type());
     at::Tensor attn = at::empty({t, num_heads, head_dim}, qc.options());
-    paged_attention(qc, k_buf, v_buf, attn, page_table, items, reduces, part_o, part_lse,
-                    page_size, scale);
+    paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
+                    part_lse, page_size, scale);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
     at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l));
     h = add_rms_norm(o, residual, ln2[l], eps);
@@ -138,8 +138,8 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "Tensor?[] s_gate_up, Tensor?[] b_gate_up, Tensor[] w_down, Tensor?[] s_down, "
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
-      "Tensor page_table, Tensor items, Tensor reduces, Tensor(c!) part_o, Tensor(d!) part_lse, "
-      "int page_size, float scale) -> (Tensor, Tensor)");
+      "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
+      "Tensor(d!) part_lse, int page_size, float scale) -> (Tensor, Tensor)");
 }
 
 // CatchAll: fp32 prepacked weights are MkldnnCPU tensors, bf16 ones plain CPU tensors.

@@ -270,126 +270,193 @@ inline int64_t acc_d(int64_t vec, int64_t k) {
 
 constexpr int DEC_MAX_G = 8;   // query heads per KV head handled here (else the generic path)
 constexpr int DEC_MAX_C = 8;   // head dim / 32 (head dim <= 256)
+#ifndef DEC_PF
+#define DEC_PF 1  // key blocks prefetched ahead
+#endif
 
 bool decode_bf16_fits(const Dims& dm) {
   return dm.group <= DEC_MAX_G && dm.d % 32 == 0 && dm.d / 32 <= DEC_MAX_C;
 }
 
-void attend_decode_bf16(const int32_t* item, const c10::BFloat16* q, const c10::BFloat16* k_buf,
-                        const c10::BFloat16* v_buf, const int32_t* page_table, c10::BFloat16* out,
-                        float* part_o, float* part_lse, const Dims& dm, float qscale,
-                        Scratch& sc) {
-  const int64_t req = item[0], row0 = item[1], pos0 = item[3];
-  const int64_t kv_lo = item[4], part = item[6];
-  const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + 1);
-  const int64_t D = dm.d, G = dm.group, H = dm.hkv, C = D / 32;
+// One decode task: the query rows rows[0 .. m - 1] (m = 1 for a plain decode row; m > 1 for a
+// shared-prefix item: rows of different requests over the same pages) attend to keys
+// [kv_lo, kv_hi) of request req's pages, no causal mask (every key is before every query).
+// Each K/V block is loaded once for all m rows. Output: part < 0 -> out; else row r's
+// normalized output and log2-sum-exp go to partial index part + r * pstride.
+// G (query heads per KV head) and C (head dim / 32) are compile-time so the P @ V
+// accumulators (G x 2C vectors) live in registers.
+template <int G, int C>
+void decode_rows_bf16(const int32_t* rows, int64_t m, int64_t req, int64_t kv_lo, int64_t kv_hi,
+                      int64_t part, int64_t pstride, const c10::BFloat16* q,
+                      const c10::BFloat16* k_buf, const c10::BFloat16* v_buf,
+                      const int32_t* page_table, c10::BFloat16* out, float* part_o,
+                      float* part_lse, const Dims& dm, float qscale, Scratch& sc) {
+  constexpr int64_t D = 32 * C;
+  const int64_t H = dm.hkv, HQ = dm.hq;
   const int32_t* pages = page_table + req * dm.pt_s0;
   const int64_t ps = dm.page_size;
-  float* acc = sc.acc.data();  // [Hq, D] in acc_d order
-  float* mrow = sc.m.data();
+  float* acc = sc.acc.data();  // [m, Hq, D] in acc_d order
+  float* mrow = sc.m.data();   // [m, Hq]
   float* lrow = sc.l.data();
-  std::fill(acc, acc + H * G * D, 0.f);
-  std::fill(mrow, mrow + H * G, NEG_INF);
-  std::fill(lrow, lrow + H * G, 0.f);
-  const c10::BFloat16* qrow = q + row0 * dm.q_s0;
+  std::fill(acc, acc + m * HQ * D, 0.f);
+  std::fill(mrow, mrow + m * HQ, NEG_INF);
+  std::fill(lrow, lrow + m * HQ, 0.f);
   const c10::BFloat16* krow[DKB];
   const c10::BFloat16* vrow[DKB];
   alignas(64) float s[DKB];
   alignas(64) float p[DKB];
-  uint32_t pair[DEC_MAX_G][DKB / 2];
-  float alpha[DEC_MAX_G];
+  uint32_t pair[G][DKB / 2];
+  float alpha[G];
+  // (page, off) of the next key; advanced key by key (no division per key). The prefetch
+  // cursor runs one block ahead.
+  int64_t page = kv_lo / ps, off = kv_lo % ps;
+  int64_t ppage = page, poff = off;
+  auto next_slot = [&](int64_t& pg, int64_t& of) {
+    const int64_t slot = static_cast<int64_t>(pages[pg]) * ps + of;
+    if (++of == ps) of = 0, ++pg;
+    return slot;
+  };
+  const int64_t row_bytes = H * D * 2;
+  auto prefetch_next = [&]() {
+    const int64_t slot = next_slot(ppage, poff);
+    const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
+    const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      __builtin_prefetch(kp + b);
+      __builtin_prefetch(vp + b);
+    }
+  };
+  for (int64_t pos = kv_lo; pos < std::min<int64_t>(kv_hi, kv_lo + DEC_PF * DKB); ++pos)
+    prefetch_next();
   for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += DKB) {
     const int64_t n = std::min<int64_t>(DKB, kv_hi - j0);
     for (int64_t jj = 0; jj < n; ++jj) {
-      const int64_t pos = j0 + jj;
-      const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
+      const int64_t slot = next_slot(page, off);
       krow[jj] = k_buf + slot * dm.kv_s0;
       vrow[jj] = v_buf + slot * dm.kv_s0;
     }
     for (int64_t jj = n; jj < DKB; ++jj) krow[jj] = vrow[jj] = nullptr;
     // Scattered pages: prefetch the next block's rows while this one is computed.
-    for (int64_t pos = j0 + DKB; pos < std::min<int64_t>(kv_hi, j0 + 2 * DKB); ++pos) {
-      const int64_t slot = static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps;
-      const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
-      const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
-      for (int64_t b = 0; b < H * D * 2; b += 64) {
-        __builtin_prefetch(kp + b);
-        __builtin_prefetch(vp + b);
-      }
-    }
+    for (int64_t pos = j0 + DEC_PF * DKB;
+         pos < std::min<int64_t>(kv_hi, j0 + (DEC_PF + 1) * DKB); ++pos)
+      prefetch_next();
     for (int64_t h = 0; h < H; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t hq = h * G + g;
-        const c10::BFloat16* qh = qrow + hq * dm.q_s1;
-        __m512bh qv[DEC_MAX_C];
-        for (int64_t c = 0; c < C; ++c) qv[c] = load_bh(qh + 32 * c);
-        __m512 dots[DKB];
-        for (int64_t jj = 0; jj < DKB; ++jj) {
-          __m512 a = _mm512_setzero_ps();
-          if (jj < n) {
-            const c10::BFloat16* kh = krow[jj] + h * dm.kv_s1;
-            for (int64_t c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], load_bh(kh + 32 * c));
+      for (int64_t r = 0; r < m; ++r) {
+        const c10::BFloat16* qrow = q + rows[r] * dm.q_s0;
+        float* mr = mrow + r * HQ;
+        float* lr = lrow + r * HQ;
+        float* ar = acc + r * HQ * D;
+        for (int g = 0; g < G; ++g) {
+          const int64_t hq = h * G + g;
+          const c10::BFloat16* qh = qrow + hq * dm.q_s1;
+          __m512bh qv[C];
+          for (int c = 0; c < C; ++c) qv[c] = load_bh(qh + 32 * c);
+          __m512 dots[DKB];
+          for (int64_t jj = 0; jj < DKB; ++jj) {
+            __m512 a = _mm512_setzero_ps();
+            if (jj < n) {
+              const c10::BFloat16* kh = krow[jj] + h * dm.kv_s1;
+              for (int c = 0; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[c], load_bh(kh + 32 * c));
+            }
+            dots[jj] = a;
           }
-          dots[jj] = a;
+          const __m512 sv = _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(qscale));
+          const __mmask16 valid = n == DKB ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+          const __m512 sm = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sv);
+          _mm512_store_ps(s, sm);
+          const float m_new = std::max(mr[hq], _mm512_reduce_max_ps(sm));
+          alpha[g] = mr[hq] == NEG_INF ? 0.f : exp2s(mr[hq] - m_new);
+          const v8 mb = bcast(m_new);
+          const v8 e0 = exp2v(load(s) - mb), e1 = exp2v(load(s + VW) - mb);
+          store(p, e0);
+          store(p + VW, e1);
+          lr[hq] = lr[hq] * alpha[g] + hsum(e0 + e1);
+          mr[hq] = m_new;
+          // P rounded to bf16, two keys per 32-bit lane: (p[j], p[j + 1])
+          const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p));
+          std::memcpy(pair[g], &pb, sizeof(pb));
         }
-        _mm512_store_ps(s, _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(qscale)));
-        for (int64_t jj = n; jj < DKB; ++jj) s[jj] = NEG_INF;
-        float mx = NEG_INF;
-        for (int64_t jj = 0; jj < n; ++jj) mx = std::max(mx, s[jj]);
-        const float m_new = std::max(mrow[hq], mx);
-        alpha[g] = mrow[hq] == NEG_INF ? 0.f : exp2s(mrow[hq] - m_new);
-        const v8 mb = bcast(m_new);
-        const v8 e0 = exp2v(load(s) - mb), e1 = exp2v(load(s + VW) - mb);
-        store(p, e0);
-        store(p + VW, e1);
-        lrow[hq] = lrow[hq] * alpha[g] + hsum(e0 + e1);
-        mrow[hq] = m_new;
-        // P rounded to bf16, two keys per 32-bit lane: (p[j], p[j + 1])
-        const __m256bh pb = _mm512_cvtneps_pbh(_mm512_load_ps(p));
-        std::memcpy(pair[g], &pb, sizeof(pb));
-      }
-      __m512 accv[DEC_MAX_G][2 * DEC_MAX_C];
-      for (int64_t g = 0; g < G; ++g) {
-        const float* a = acc + (h * G + g) * D;
-        const __m512 al = _mm512_set1_ps(alpha[g]);
-        for (int64_t c = 0; c < 2 * C; ++c)
-          accv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al);
-      }
-      for (int64_t jj = 0; jj < n; jj += 2) {
-        const c10::BFloat16* v0 = vrow[jj] + h * dm.kv_s1;
-        const c10::BFloat16* v1 = (jj + 1 < n ? vrow[jj + 1] : vrow[jj]) + h * dm.kv_s1;
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + 32 * c));
-          const __m512i y = _mm512_loadu_si512(reinterpret_cast<const void*>(v1 + 32 * c));
-          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
-          const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
-          for (int64_t g = 0; g < G; ++g) {
+        __m512 accv[G][2 * C];
+        for (int g = 0; g < G; ++g) {
+          const float* a = ar + (h * G + g) * D;
+          const __m512 al = _mm512_set1_ps(alpha[g]);
+          for (int c = 0; c < 2 * C; ++c) accv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(a + 16 * c), al);
+        }
+        for (int64_t jj = 0; jj < n; jj += 2) {
+          const c10::BFloat16* v0 = vrow[jj] + h * dm.kv_s1;
+          const c10::BFloat16* v1 = (jj + 1 < n ? vrow[jj + 1] : vrow[jj]) + h * dm.kv_s1;
+          __m512bh pp[G];
+          for (int g = 0; g < G; ++g)
+            pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[g][jj / 2]));
+          for (int c = 0; c < C; ++c) {
+            const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(v0 + 32 * c));
+            const __m512i y = _mm512_loadu_si512(reinterpret_cast<const void*>(v1 + 32 * c));
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
             // p[n] is exp2(-inf) = 0: an odd block's last pair adds nothing for its second key
-            const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[g][jj / 2]));
-            accv[g][2 * c] = _mm512_dpbf16_ps(accv[g][2 * c], lo, pp);
-            accv[g][2 * c + 1] = _mm512_dpbf16_ps(accv[g][2 * c + 1], hi, pp);
+            for (int g = 0; g < G; ++g) {
+              accv[g][2 * c] = _mm512_dpbf16_ps(accv[g][2 * c], lo, pp[g]);
+              accv[g][2 * c + 1] = _mm512_dpbf16_ps(accv[g][2 * c + 1], hi, pp[g]);
+            }
           }
         }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc + (h * G + g) * D;
-        for (int64_t c = 0; c < 2 * C; ++c) _mm512_storeu_ps(a + 16 * c, accv[g][c]);
+        for (int g = 0; g < G; ++g) {
+          float* a = ar + (h * G + g) * D;
+          for (int c = 0; c < 2 * C; ++c) _mm512_storeu_ps(a + 16 * c, accv[g][c]);
+        }
       }
     }
   }
-  alignas(64) float tmp[32 * DEC_MAX_C];
-  for (int64_t hq = 0; hq < H * G; ++hq) {
-    const float* a = acc + hq * D;
-    for (int64_t vec = 0; vec < 2 * C; ++vec)
-      for (int64_t k = 0; k < 16; ++k) tmp[acc_d(vec, k)] = a[16 * vec + k];
-    const float inv = lrow[hq] > 0.f ? 1.f / lrow[hq] : 0.f;
-    if (part < 0) {
-      store_out(tmp, out + row0 * dm.o_s0 + hq * dm.o_s1, D, inv);
-    } else {
-      float* po = part_o + (part * dm.hq + hq) * D;
-      for (int64_t d = 0; d < D; ++d) po[d] = tmp[d] * inv;
-      part_lse[part * dm.hq + hq] = mrow[hq] + std::log2(lrow[hq]);
+  alignas(64) float tmp[D];
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t hq = 0; hq < HQ; ++hq) {
+      const float* a = acc + (r * HQ + hq) * D;
+      for (int64_t vec = 0; vec < 2 * C; ++vec)
+        for (int64_t k = 0; k < 16; ++k) tmp[acc_d(vec, k)] = a[16 * vec + k];
+      const float l = lrow[r * HQ + hq];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      if (part < 0) {
+        store_out(tmp, out + rows[r] * dm.o_s0 + hq * dm.o_s1, D, inv);
+      } else {
+        const int64_t pi = part + r * pstride;
+        float* po = part_o + (pi * HQ + hq) * D;
+        for (int64_t d = 0; d < D; ++d) po[d] = tmp[d] * inv;
+        part_lse[pi * HQ + hq] = mrow[r * HQ + hq] + std::log2(l);
+      }
     }
+  }
+}
+
+using DecodeFn = void (*)(const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*,
+                          const int32_t*, c10::BFloat16*, float*, float*, const Dims&, float,
+                          Scratch&);
+
+template <int G>
+DecodeFn decode_fn_c(int64_t c) {
+  switch (c) {
+    case 1: return &decode_rows_bf16<G, 1>;
+    case 2: return &decode_rows_bf16<G, 2>;
+    case 4: return &decode_rows_bf16<G, 4>;
+    case 8: return &decode_rows_bf16<G, 8>;
+    default: return nullptr;
+  }
+}
+
+// The instantiation for (group, head dim / 32), or nullptr (then the generic path runs).
+DecodeFn decode_fn(const Dims& dm) {
+  if (!decode_bf16_fits(dm)) return nullptr;
+  const int64_t c = dm.d / 32;
+  switch (dm.group) {
+    case 1: return decode_fn_c<1>(c);
+    case 2: return decode_fn_c<2>(c);
+    case 3: return decode_fn_c<3>(c);
+    case 4: return decode_fn_c<4>(c);
+    case 5: return decode_fn_c<5>(c);
+    case 6: return decode_fn_c<6>(c);
+    case 7: return decode_fn_c<7>(c);
+    case 8: return decode_fn_c<8>(c);
+    default: return nullptr;
   }
 }
 
@@ -453,8 +520,69 @@ inline void pv_tile_bf16(float* acc, const float* alpha, const uint32_t* pp, con
     }
   }
 }
+// In-register transpose of 16 rows of 16 x 32-bit: r[i][j] -> r[j][i].
+inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4a + b] now holds, in 128-bit lane L, elements 4L..4L+3 of column (b') of rows 4a..4a+3;
+  // exchange the 128-bit lanes across the four groups of four.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_i32x4(t[i], t[8 + i], 0xdd);
+    r[4 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0x88);
+    r[12 + i] = _mm512_shuffle_i32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
+
+// One KV head's block of n <= BLOCK_K keys (row pointers krows / vrows, already offset to the
+// head) into the tile layouts: K as [D/2, BLOCK_K] (d, d + 1) pairs, V as [BLOCK_K/2, D]
+// (key 2i, key 2i + 1) pairs. Keys >= n are zero. D % 32 == 0.
+inline void pack_kv_pairs(const c10::BFloat16* const* krows, const c10::BFloat16* const* vrows,
+                          int64_t n, int64_t D, uint32_t* kt2, uint32_t* vt2) {
+  for (int64_t j0 = 0; j0 < BLOCK_K; j0 += 16) {
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? _mm512_loadu_si512(krows[j0 + i] + 2 * p0) : _mm512_setzero_si512();
+      transpose16x16_epi32(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt2 + (p0 + i) * BLOCK_K + j0, r[i]);
+    }
+  }
+  alignas(64) static const uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                               37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                               11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo_idx = _mm512_load_si512(kLo);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int64_t i = 0; i < BLOCK_K / 2; ++i) {
+    const c10::BFloat16* a = 2 * i < n ? vrows[2 * i] : nullptr;
+    const c10::BFloat16* b = 2 * i + 1 < n ? vrows[2 * i + 1] : nullptr;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      const __m512i x = a ? _mm512_loadu_si512(a + d0) : _mm512_setzero_si512();
+      const __m512i y = b ? _mm512_loadu_si512(b + d0) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vt2 + i * D + d0, _mm512_permutex2var_epi16(x, lo_idx, y));
+      _mm512_storeu_si512(vt2 + i * D + d0 + 16, _mm512_permutex2var_epi16(x, hi_idx, y));
+    }
+  }
+}
 #else
 constexpr bool kHasBf16Dot = false;
+void pack_kv_pairs(const c10::BFloat16* const*, const c10::BFloat16* const*, int64_t, int64_t,
+                   uint32_t*, uint32_t*);
 template <int RM>
 void scores_tile_bf16(const uint32_t*, int64_t, const uint32_t*, int64_t, float, float*);
 template <int RM>
@@ -467,6 +595,7 @@ void pv_tile_bf16(float*, const float*, const uint32_t*, const uint32_t*, int64_
 template <typename T>
 void attend_task(
     const int32_t* item,
+    const int32_t* item_rows,  // row lists of shared-prefix items
     const T* q,
     const T* k_buf,
     const T* v_buf,
@@ -477,14 +606,28 @@ void attend_task(
     const Dims& dm,
     float qscale,
     Scratch& sc) {
-  const int64_t req = item[0], row0 = item[1], nq = item[2], pos0 = item[3];
-  const int64_t kv_lo = item[4], part = item[6];
-  const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + nq);
+  const int64_t req = item[0], kv_lo = item[4], part = item[6];
+  // A shared-prefix item (nq < 0): the -nq decode rows listed at item_rows[item[1] + 1 ..]
+  // over keys [kv_lo, kv_hi) of pages they all share, no causal mask (pos0 = kv_hi - 1), row i's
+  // partial at part + i * item_rows[item[1]]. Otherwise rows row0 .. row0 + nq - 1.
+  const int32_t* rows = item[2] < 0 ? item_rows + item[1] + 1 : nullptr;
+  const int64_t pstride = rows ? rows[-1] : 1;
+  const int64_t nq = std::abs(static_cast<int64_t>(item[2]));
+  const int64_t row0 = rows ? 0 : item[1];
+  const int64_t pos0 = rows ? item[5] - 1 : item[3];
+  auto row_of = [&](int64_t i) -> int64_t { return rows ? rows[i] : row0 + i; };
+  const int64_t kv_hi = std::min<int64_t>(item[5], pos0 + (rows ? 1 : nq));
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (nq == 1 && decode_bf16_fits(dm)) {
-      attend_decode_bf16(item, q, k_buf, v_buf, page_table, out, part_o, part_lse, dm, qscale, sc);
-      return;
+    // Few query rows per KV head: the decode kernel (dot products + horizontal sums); from 8
+    // rows up the register tiles below (K transposed once per block for all rows) are faster.
+    if (rows ? nq * dm.group < 8 : nq == 1) {
+      if (DecodeFn fn = decode_fn(dm)) {
+        const int32_t one = static_cast<int32_t>(row0);
+        fn(rows ? rows : &one, nq, req, kv_lo, kv_hi, part, pstride, q, k_buf, v_buf, page_table,
+           out, part_o, part_lse, dm, qscale, sc);
+        return;
+      }
     }
   }
 #endif
@@ -506,7 +649,7 @@ void attend_task(
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t g = 0; g < G; ++g) {
-        const T* src = q + (row0 + i) * dm.q_s0 + (h * G + g) * dm.q_s1;
+        const T* src = q + row_of(i) * dm.q_s0 + (h * G + g) * dm.q_s1;
         float* dst = qf + (h * M + i * G + g) * D;
         if (bfdot) {  // unscaled bf16 pairs (the scale multiplies the fp32 scores)
           std::memcpy(dst, src, D * sizeof(T));
@@ -525,21 +668,34 @@ void attend_task(
   for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
     const int64_t n = std::min<int64_t>(BLOCK_K, kv_hi - j0);
     int64_t page = j0 / ps, off = j0 % ps;  // one division per block, not per key
-    for (int64_t jj = 0; jj < n; ++jj) {
+    if constexpr (kBf) {
+      if (bfdot) {  // K as [D/2, BLOCK_K] pairs, V as [BLOCK_K/2, D] key pairs, per KV head
+        const T* kr[BLOCK_K];
+        const T* vr[BLOCK_K];
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
+          if (++off == ps) off = 0, ++page;
+          kr[jj] = k_buf + slot * dm.kv_s0;
+          vr[jj] = v_buf + slot * dm.kv_s0;
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const T* krh[BLOCK_K];
+          const T* vrh[BLOCK_K];
+          for (int64_t jj = 0; jj < n; ++jj) {
+            krh[jj] = kr[jj] + h * dm.kv_s1;
+            vrh[jj] = vr[jj] + h * dm.kv_s1;
+          }
+          pack_kv_pairs(krh, vrh, n, D, reinterpret_cast<uint32_t*>(kt + h * blk),
+                        reinterpret_cast<uint32_t*>(vf + h * blk));
+        }
+      }
+    }
+    for (int64_t jj = 0; jj < (bfdot ? 0 : n); ++jj) {
       const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
       if (++off == ps) off = 0, ++page;
       for (int64_t h = 0; h < H; ++h) {
         const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
         const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
-        if (bfdot) {  // K as [D/2, BLOCK_K] pairs, V as [BLOCK_K/2, D] key pairs
-          uint32_t* kt2 = reinterpret_cast<uint32_t*>(kt + h * blk);
-          const uint32_t* kw = reinterpret_cast<const uint32_t*>(kp);
-          for (int64_t p = 0; p < D / 2; ++p) kt2[p * BLOCK_K + jj] = kw[p];
-          uint16_t* vt2 = reinterpret_cast<uint16_t*>(vf + h * blk);
-          const uint16_t* vw = reinterpret_cast<const uint16_t*>(vp);
-          for (int64_t d = 0; d < D; ++d) vt2[((jj / 2) * D + d) * 2 + (jj & 1)] = vw[d];
-          continue;
-        }
         for (int64_t d = 0; d < D; d += VW) {
           const v8 kv = load_f(kp + d);
           if (tiled) {
@@ -588,7 +744,7 @@ void attend_task(
     // Online softmax per row over the valid (causal, in-range) keys of this block.
     for (int64_t r = 0; r < MT; ++r) {
       float* sr = s + r * BLOCK_K;
-      const int64_t qpos = pos0 + (r % M) / G;
+      const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
       const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
       if (nv <= 0) {  // every key of the block is after this query: weights 0, no rescale
         std::fill(sr, sr + BLOCK_K, 0.f);
@@ -648,11 +804,12 @@ void attend_task(
         const int64_t r = h * M + i * G + g, hq = h * G + g;
         const float inv = lrow[r] > 0.f ? 1.f / lrow[r] : 0.f;
         if (part < 0) {
-          store_out(acc + r * D, out + (row0 + i) * dm.o_s0 + hq * dm.o_s1, D, inv);
+          store_out(acc + r * D, out + row_of(i) * dm.o_s0 + hq * dm.o_s1, D, inv);
         } else {
-          float* po = part_o + (part * dm.hq + hq) * D;
+          const int64_t pi = part + i * pstride;
+          float* po = part_o + (pi * dm.hq + hq) * D;
           for (int64_t d = 0; d < D; ++d) po[d] = acc[r * D + d] * inv;
-          part_lse[part * dm.hq + hq] = mrow[r] + std::log2(lrow[r]);
+          part_lse[pi * dm.hq + hq] = mrow[r] + std::log2(lrow[r]);
         }
       }
     }
@@ -705,6 +862,7 @@ void paged_attention(
     at::Tensor& out,               // [T, Hq, D], q's dtype, last dim contiguous
     const at::Tensor& page_table,  // [B, max_pages] int32
     const at::Tensor& items,       // [N, 7] int32
+    const at::Tensor& item_rows,   // [K] int32: row lists of shared-prefix items (nq < 0)
     const at::Tensor& reduces,     // [R, 3] int32
     at::Tensor& part_o,            // [P, Hq, D] float32 (P >= 0)
     at::Tensor& part_lse,          // [P, Hq] float32
@@ -721,6 +879,8 @@ void paged_attention(
               page_table.stride(1) == 1, "page_table: int32 [B, max_pages], rows contiguous");
   check_index(items, "items", 7);
   check_index(reduces, "reduces", 3);
+  TORCH_CHECK(item_rows.scalar_type() == at::kInt && item_rows.is_contiguous() &&
+              item_rows.dim() == 1, "item_rows: int32 [K]");
   TORCH_CHECK(part_o.scalar_type() == at::kFloat && part_o.is_contiguous());
   TORCH_CHECK(part_lse.scalar_type() == at::kFloat && part_lse.is_contiguous());
   const int64_t hq = q.size(1), hkv = k_buf.size(1), d = q.size(2);
@@ -734,7 +894,9 @@ void paged_attention(
   const int64_t n_items = items.size(0), n_red = reduces.size(0);
   const int32_t* it = items.data_ptr<int32_t>();
   int64_t max_nq = 1;
-  for (int64_t i = 0; i < n_items; ++i) max_nq = std::max<int64_t>(max_nq, it[i * 7 + 2]);
+  for (int64_t i = 0; i < n_items; ++i)
+    max_nq = std::max<int64_t>(max_nq, std::abs(static_cast<int64_t>(it[i * 7 + 2])));
+  const int32_t* irows = item_rows.data_ptr<int32_t>();
   const float qscale = static_cast<float>(scale) * LOG2E;
   float* po = part_o.numel() ? part_o.data_ptr<float>() : nullptr;
   float* pl = part_lse.numel() ? part_lse.data_ptr<float>() : nullptr;
@@ -753,7 +915,7 @@ void paged_attention(
           return sc;
         },
         [&](int64_t t, Scratch& sc) {
-          attend_task<scalar_t>(it + t * 7, qp, kp, vp, pt, op, po, pl, dm, qscale, sc);
+          attend_task<scalar_t>(it + t * 7, irows, qp, kp, vp, pt, op, po, pl, dm, qscale, sc);
         });
     const int32_t* rd = reduces.data_ptr<int32_t>();
     parallel_tasks(
@@ -775,7 +937,8 @@ void paged_attention(
 TORCH_LIBRARY(radixlm_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, Tensor page_table, "
-      "Tensor items, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, int page_size, "
+      "Tensor items, Tensor item_rows, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, "
+      "int page_size, "
       "float scale) -> ()");
 }
 

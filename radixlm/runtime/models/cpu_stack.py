@@ -141,6 +141,7 @@ class CpuDecoderStack:
             batch.out_cache_loc,
             attn.page_table,
             attn.items,
+            attn.item_rows,
             attn.reduces,
             part_o,
             part_lse,

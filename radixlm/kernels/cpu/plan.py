@@ -1,0 +1,183 @@
+"""The CPU attention op's work plan for one forward (shared by all layers): which query rows
+attend to which keys, in which task, and how split outputs are combined.
+
+Formats (see `paged_attention.cpp`):
+
+- `items` `[N, 7]` int32 `(req, row0, nq, pos0, kv_lo, kv_hi, part)`: query rows
+  `row0 .. row0 + nq - 1` of request `req` (at positions `pos0...`) over keys `[kv_lo, kv_hi)`,
+  causally; `part < 0` writes the output, `part >= 0` a partial (output, log2-sum-exp) at index
+  `part`.
+- A **shared-prefix item** has `nq = -m`: the `m` decode rows listed at `item_rows[row0 + 1 ..]`
+  (requests whose first pages are the same physical pages, e.g. one system prompt) attend
+  together to keys `[kv_lo, kv_hi)` of those pages, so each K/V block is read once for all `m`
+  (cascade attention). Row `r` writes partial `part + r * item_rows[row0]`.
+- `reduces` `[R, 3]` `(row, part0, nparts)`: the row's output from its contiguous partials.
+
+Invariants: every query row is covered by exactly one non-partial item or by the partials of
+exactly one reduce; a reduce's partials are all written (no empty key range) and cover the row's
+keys `[0, seq_len)` exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.kernels.split_kv import num_kv_splits
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Knobs of the plan. `force_num_kv_splits` overrides the split-KV heuristic for every
+    plain decode row of length >= 2 (tests, benchmarks); `min_shared_tokens = 0` turns
+    shared-prefix items off."""
+
+    threads: int = 1
+    max_kv_splits: int = 16
+    min_tokens_per_split: int = 256
+    extend_block: int = 64
+    force_num_kv_splits: int | None = None
+    min_shared_tokens: int = 128
+
+
+@dataclass
+class WorkPlan:
+    items: torch.Tensor  # [N, 7] int32
+    item_rows: torch.Tensor  # [K] int32
+    reduces: torch.Tensor  # [R, 3] int32
+    num_parts: int
+    num_kv_splits: int  # the most partials of any reduce (1: none)
+    num_shared_items: int
+
+
+def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
+    """`[lo, hi)` cut into `pieces` non-empty runs (`pieces <= hi - lo`)."""
+    n = hi - lo
+    cuts = [lo + (n * i) // pieces for i in range(pieces + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _shared_groups(
+    decode_reqs: list[int],
+    seq: list[int],
+    page_table: torch.Tensor,
+    page_size: int,
+    min_tokens: int,
+) -> list[tuple[list[int], int]]:
+    """Groups of >= 2 decode requests whose first pages are the same physical pages, with the
+    number of leading key positions they share (< every member's length, >= `min_tokens`)."""
+    if min_tokens <= 0 or len(decode_reqs) < 2:
+        return []
+    by_first: dict[int, list[int]] = {}
+    first = page_table[:, 0].tolist()
+    for r in decode_reqs:
+        if seq[r] - 1 >= min_tokens:
+            by_first.setdefault(first[r], []).append(r)
+    groups = []
+    for reqs in by_first.values():
+        if len(reqs) < 2:
+            continue
+        pt = page_table[reqs]  # [m, P]
+        same_pages = int((pt == pt[0]).to(torch.int32).cumprod(1).sum(1).min())
+        shared = min(same_pages * page_size, min(seq[r] for r in reqs) - 1)
+        if shared >= min_tokens:
+            groups.append((reqs, shared))
+    return groups
+
+
+def plan_work(
+    extend_lens: list[int],
+    seq_lens: list[int],
+    page_table: torch.Tensor,
+    page_size: int,
+    cfg: PlanConfig,
+) -> WorkPlan:
+    """The work plan of one forward: `extend_lens[i]` new rows of request `i` (1: a decode
+    row), its kv length `seq_lens[i]` after the step; `page_table` `[B, P]` int32 on the host."""
+    rows_of: list[int] = []
+    row = 0
+    for e in extend_lens:
+        rows_of.append(row)
+        row += e
+    decode_reqs = [r for r, e in enumerate(extend_lens) if e == 1]
+    num_decode = len(decode_reqs)
+    items: list[tuple[int, ...]] = []
+    costs: list[int] = []
+    item_rows: list[int] = []
+    reduces: list[tuple[int, int, int]] = []
+    num_parts = 0
+
+    def splits_for(n: int) -> int:
+        if cfg.force_num_kv_splits is not None:
+            return min(cfg.force_num_kv_splits, n)
+        return num_kv_splits(
+            num_decode, 4 * cfg.threads, n, cfg.max_kv_splits, cfg.min_tokens_per_split
+        )
+
+    grouped: set[int] = set()
+    num_shared = 0
+    groups = (
+        []
+        if cfg.force_num_kv_splits is not None
+        else _shared_groups(decode_reqs, seq_lens, page_table, page_size, cfg.min_shared_tokens)
+    )
+    for reqs, shared in groups:
+        m = len(reqs)
+        # Shared keys in chunks of >= min_tokens_per_split, ~2 per thread; each row's own keys
+        # in the same number of pieces for every row (so its partials are one strided run).
+        n_shared = num_kv_splits(
+            1, 2 * cfg.threads, shared, cfg.max_kv_splits, cfg.min_tokens_per_split
+        )
+        own_min = min(seq_lens[r] - shared for r in reqs)
+        own_max = max(seq_lens[r] - shared for r in reqs)
+        n_own = max(1, min(splits_for(own_max), own_min))
+        stride = n_shared + n_own
+        base = num_parts
+        num_parts += m * stride
+        offset = len(item_rows)
+        item_rows.append(stride)
+        item_rows.extend(rows_of[r] for r in reqs)
+        for c, (lo, hi) in enumerate(_bounds(0, shared, n_shared)):
+            items.append((reqs[0], offset, -m, hi - 1, lo, hi, base + c))
+            costs.append(m * (hi - lo))
+        for i, r in enumerate(reqs):
+            n = seq_lens[r]
+            p0 = base + i * stride
+            reduces.append((rows_of[r], p0, stride))
+            for j, (lo, hi) in enumerate(_bounds(shared, n, n_own)):
+                items.append((r, rows_of[r], 1, n - 1, lo, hi, p0 + n_shared + j))
+                costs.append(hi - lo)
+        grouped.update(reqs)
+        num_shared += n_shared
+
+    for r, (e, n) in enumerate(zip(extend_lens, seq_lens)):
+        if r in grouped:
+            continue
+        prefix = n - e
+        if e == 1:
+            splits = splits_for(n)
+            if splits > 1:
+                reduces.append((rows_of[r], num_parts, splits))
+                for lo, hi in _bounds(0, n, splits):
+                    items.append((r, rows_of[r], 1, prefix, lo, hi, num_parts))
+                    costs.append(hi - lo)
+                    num_parts += 1
+            else:
+                items.append((r, rows_of[r], 1, prefix, 0, n, -1))
+                costs.append(n)
+        else:
+            for q0 in range(0, e, cfg.extend_block):
+                nq = min(cfg.extend_block, e - q0)
+                items.append((r, rows_of[r] + q0, nq, prefix + q0, 0, n, -1))
+                costs.append(nq * (prefix + q0 + nq))
+    # Longest first (cost ~ query rows x keys): dynamic hand-out then balances the threads.
+    order = sorted(range(len(items)), key=lambda i: -costs[i])
+    return WorkPlan(
+        items=torch.tensor([items[i] for i in order], dtype=torch.int32).reshape(-1, 7),
+        item_rows=torch.tensor(item_rows, dtype=torch.int32),
+        reduces=torch.tensor(reduces, dtype=torch.int32).reshape(-1, 3),
+        num_parts=num_parts,
+        num_kv_splits=max((n for _, _, n in reduces), default=1),
+        num_shared_items=num_shared,
+    )
