@@ -224,13 +224,6 @@ inline void by_row_tiles(int64_t rows, Tile tile) {
 }
 
 
-// The bf16 bits of x, rounded to nearest even (NaN payloads are not preserved).
-inline uint32_t bf16_bits_rne(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
 #if defined(__AVX512BF16__)
 // ---- Decode rows over bf16 K/V with AVX512_BF16 dot products (vdpbf16ps) ------------------------
 //
@@ -270,9 +263,7 @@ inline int64_t acc_d(int64_t vec, int64_t k) {
 
 constexpr int DEC_MAX_G = 8;   // query heads per KV head handled here (else the generic path)
 constexpr int DEC_MAX_C = 8;   // head dim / 32 (head dim <= 256)
-#ifndef DEC_PF
-#define DEC_PF 1  // key blocks prefetched ahead
-#endif
+constexpr int DEC_PF = 1;      // key blocks prefetched ahead
 
 bool decode_bf16_fits(const Dims& dm) {
   return dm.group <= DEC_MAX_G && dm.d % 32 == 0 && dm.d / 32 <= DEC_MAX_C;
@@ -769,11 +760,13 @@ void attend_task(
     if (bfdot) {  // P as bf16 key pairs, in place at the start of each score row
       if constexpr (kBf) {
         const int64_t npairs = (n + 1) / 2;
-        for (int64_t r = 0; r < MT; ++r) {
+        static_assert(BLOCK_K == 64, "four 16-float vectors per score row");
+        for (int64_t r = 0; r < MT; ++r) {  // keys in order = (key 2i, key 2i + 1) pairs
           float* sr = s + r * BLOCK_K;
-          uint32_t* pr = reinterpret_cast<uint32_t*>(sr);
-          for (int64_t i = 0; i < npairs; ++i)
-            pr[i] = bf16_bits_rne(sr[2 * i]) | (bf16_bits_rne(sr[2 * i + 1]) << 16);
+          const __m512 a = _mm512_loadu_ps(sr), b = _mm512_loadu_ps(sr + 16);
+          const __m512 c = _mm512_loadu_ps(sr + 32), d = _mm512_loadu_ps(sr + 48);
+          _mm512_storeu_si512(sr, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+          _mm512_storeu_si512(sr + 16, (__m512i)_mm512_cvtne2ps_pbh(d, c));
         }
         for (int64_t h = 0; h < H; ++h) {
           const uint32_t* vt2 = reinterpret_cast<const uint32_t*>(vf + h * blk);
