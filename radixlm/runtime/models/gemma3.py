@@ -2,7 +2,8 @@
 offset added at load), per-head q/k norm, four norms per layer (pre/post attention, pre/post
 MLP), logits scaled by `query_pre_attn_scalar ** -0.5`, and interleaved sliding-window layers
 (`layer_types`) whose RoPE base (`rope_local_base_freq`) differs from the global layers'.
-Attention and final-logit soft-capping apply when the config sets them."""
+Final-logit soft-capping applies when the config sets it. NOTE: `attn_logit_softcapping` is
+not applied, as in transformers' Gemma 3 (Gemma 2 applied it; Gemma 3 configs leave it None)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ class Gemma3DecoderLayer(nn.Module):
             qk_norm=_norm(config, head_dim),
             scale=float(config.query_pre_attn_scalar) ** -0.5,
             window=layer_window(config, layer_id),
-            softcap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
         )  # fmt: skip
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         self.mlp = MLP(config.hidden_size, config.intermediate_size, False, act)
