@@ -64,6 +64,7 @@ class CpuAttentionBackend:
                 "CPU attention op needs head_dim %% 16 == 0 (got %d); using the torch backend",
                 head_dim,
             )
+        self._softcap_twin: TorchAttentionBackend | None = None
         self.force_num_kv_splits: int | None = None
         self.max_kv_splits = 16
         self.min_tokens_per_split = 256
@@ -71,11 +72,22 @@ class CpuAttentionBackend:
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
-        """Plan the work items once per forward (shared by all layers)."""
+        """Plan the work items once per forward (shared by all layers; a sliding window's plan
+        on its first layer)."""
         self._batch = batch
         if self._twin is not None:
             self._twin.init_forward(batch)
             return
+        self._plans = {0: self._plan(batch, 0)}
+        self.items, self.reduces, self.num_parts = self._plans[0]
+        self.num_kv_splits = max((int(n) for n in self.reduces[:, 2].tolist()), default=1)
+        self.page_table = batch.page_table.to(torch.int32).contiguous()
+        # Split-KV scratch, allocated by the first layer (Hq and D are known there).
+        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _plan(self, batch: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`(items [N, 7], reduces [R, 3], num_parts)`; with a `window`, each item's keys start
+        at its first query's window (the op masks the later rows per row)."""
         threads = torch.get_num_threads()
         ext = batch.extend_lens_cpu
         seq = batch.seq_lens_cpu
@@ -87,53 +99,67 @@ class CpuAttentionBackend:
         for r, (e, n) in enumerate(zip(ext, seq)):
             prefix = n - e
             if e == 1:
+                lo = max(0, n - window) if window else 0
                 if self.force_num_kv_splits is not None:
-                    splits = min(self.force_num_kv_splits, n)
+                    splits = min(self.force_num_kv_splits, n - lo)
                 else:
                     splits = choose_num_kv_splits(
                         num_decode,
-                        n,
+                        n - lo,
                         threads,
                         self.max_kv_splits,
                         self.min_tokens_per_split,
                     )
                 if splits > 1:
-                    chunk = -(-n // splits)
-                    starts = range(0, n, chunk)
+                    chunk = -(-(n - lo) // splits)
+                    starts = range(lo, n, chunk)
                     reduces.append((row, num_parts, len(starts)))
-                    for lo in starts:
-                        items.append((r, row, 1, prefix, lo, min(n, lo + chunk), num_parts))
+                    for k0 in starts:
+                        items.append((r, row, 1, prefix, k0, min(n, k0 + chunk), num_parts))
                         num_parts += 1
                 else:
-                    items.append((r, row, 1, prefix, 0, n, -1))
+                    items.append((r, row, 1, prefix, lo, n, -1))
             else:
                 for q0 in range(0, e, self.extend_block):
                     nq = min(self.extend_block, e - q0)
-                    items.append((r, row + q0, nq, prefix + q0, 0, n, -1))
+                    pos0 = prefix + q0
+                    lo = max(0, pos0 - window + 1) if window else 0
+                    items.append((r, row + q0, nq, pos0, lo, n, -1))
             row += e
         # Longest first (cost ~ query rows x keys): dynamic hand-out then balances the threads.
         items.sort(key=lambda it: -it[2] * (min(it[5], it[3] + it[2]) - it[4]))
-        self.items = torch.tensor(items, dtype=torch.int32).reshape(-1, 7)
-        self.reduces = torch.tensor(reduces, dtype=torch.int32).reshape(-1, 3)
-        self.num_parts = num_parts
-        self.num_kv_splits = max((n for _, _, n in reduces), default=1)
-        self.page_table = batch.page_table.to(torch.int32).contiguous()
-        # Split-KV scratch, allocated by the first layer (Hq and D are known there).
-        self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
+        return (
+            torch.tensor(items, dtype=torch.int32).reshape(-1, 7),
+            torch.tensor(reduces, dtype=torch.int32).reshape(-1, 3),
+            num_parts,
+        )
+
+    def _twin_backend(self) -> TorchAttentionBackend:
+        """The torch twin (for this head dim, or a soft-capped layer), planned for this
+        forward."""
+        twin = self._twin or self._softcap_twin
+        if twin is None:
+            twin = self._softcap_twin = TorchAttentionBackend(self.kv_cache)
+        if getattr(twin, "_batch", None) is not self._batch:
+            twin.init_forward(self._batch)
+        return twin
 
     @property
     def runs_compiled_op(self) -> bool:
         """False where this head dim sends every call to the torch twin."""
         return self._twin is None
 
-    def partial_buffers(self, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's split-KV scratch (`[parts, Hq, D]`, `[parts, Hq]` fp32), allocated
-        once per forward and shared by its layers."""
+    def partial_buffers(
+        self, hq: int, d: int, num_parts: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's split-KV scratch (`[>= parts, Hq, D]`, `[>= parts, Hq]` fp32),
+        allocated once per forward and shared by its layers."""
+        need = self.num_parts if num_parts is None else num_parts
         parts = self._parts
-        if parts is None or parts[0].shape[1:] != (hq, d):
+        if parts is None or parts[0].shape[1:] != (hq, d) or parts[0].shape[0] < need:
             parts = self._parts = (
-                torch.empty((self.num_parts, hq, d), dtype=torch.float32),
-                torch.empty((self.num_parts, hq), dtype=torch.float32),
+                torch.empty((need, hq, d), dtype=torch.float32),
+                torch.empty((need, hq), dtype=torch.float32),
             )
         return parts
 
@@ -144,28 +170,35 @@ class CpuAttentionBackend:
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         batch = self._batch
         assert batch is not None, "init_forward() must be called before forward()"
-        if self._twin is not None:
-            return self._twin.forward(layer_id, q, k, v, scale)
+        if self._twin is not None or softcap:  # NOTE: soft-capping: the torch twin only
+            return self._twin_backend().forward(layer_id, q, k, v, scale, window, softcap)
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = self._plan(batch, window)
+        items, reduces, num_parts = plan
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         qc = q if q.dtype == k_buf.dtype and q.stride(-1) == 1 else q.to(k_buf.dtype).contiguous()
         out = torch.empty(qc.shape, dtype=qc.dtype)  # [T, Hq, D]
-        parts = self.partial_buffers(qc.shape[1], qc.shape[2])
+        parts = self.partial_buffers(qc.shape[1], qc.shape[2], num_parts)
         self.op.paged_attention(
             qc,
             k_buf,
             v_buf,
             out,
             self.page_table,
-            self.items,
-            self.reduces,
+            items,
+            reduces,
             parts[0],
             parts[1],
             batch.page_size,
             scale,
+            window,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)
