@@ -27,7 +27,15 @@ _FAMILIES: dict[str, str] = {
 _NO_WINDOW = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 # Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down).
-_TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+_TENSOR_PARALLEL = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
+    }
+)
 
 # config `model_type` -> architecture, for configs without `architectures`
 ARCH_BY_MODEL_TYPE: dict[str, str] = {
