@@ -11,7 +11,7 @@ import torch
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
-from radixlm.runtime.models.registry import check_architecture, model_class
+from radixlm.runtime.models.registry import check_architecture, check_quantization, model_class
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
@@ -96,6 +96,7 @@ class ModelRunner:
         hf_config = info.hf_config
         arch = info.architecture
         check_architecture(arch)  # before any weight is read
+        check_quantization(arch, quantization)
         self.hf_config = hf_config
         self.max_model_len = min(
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings

@@ -22,20 +22,13 @@ _FAMILIES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
 }
 
-# Families whose layers ignore a config `sliding_window` (full attention everywhere): their
-# context is clamped to the window (`model_info.context_length`), within which that is exact.
-_NO_WINDOW = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# The Llama family (`llama.LlamaForCausalLM`): its layers ignore a config `sliding_window`
+# (full attention everywhere), so its context is clamped to the window
+# (`model_info.context_length`), within which that is exact.
+_LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 # Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down).
-_TENSOR_PARALLEL = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Gemma3ForCausalLM",
-    }
-)
+_TENSOR_PARALLEL = _LLAMA_FAMILY | {"Qwen3ForCausalLM", "Gemma3ForCausalLM"}
 
 # config `model_type` -> architecture, for configs without `architectures`
 ARCH_BY_MODEL_TYPE: dict[str, str] = {
@@ -65,7 +58,7 @@ def check_architecture(architecture: str) -> None:
 
 def applies_sliding_window(architecture: str) -> bool:
     """Whether the family attends within each layer's window (so it serves its full context)."""
-    return architecture not in _NO_WINDOW
+    return architecture not in _LLAMA_FAMILY
 
 
 def check_tensor_parallel(architecture: str, tp_size: int) -> None:
@@ -74,6 +67,16 @@ def check_tensor_parallel(architecture: str, tp_size: int) -> None:
         raise ConfigError(
             f"tensor parallelism is not supported for {architecture!r} yet; it is for: "
             f"{', '.join(sorted(_TENSOR_PARALLEL))}"
+        )
+
+
+def check_quantization(architecture: str, quantization: str) -> None:
+    """`ConfigError` for `quantization="gguf"` (a GGUF's blocks as they ship) on a family whose
+    GGUF tensor names `quantization.gguf_reader` does not map (only the Llama family's)."""
+    if quantization == "gguf" and architecture not in _LLAMA_FAMILY:
+        raise ConfigError(
+            f"quantization='gguf' maps the Llama family's GGUF tensors only, not "
+            f"{architecture!r}: serve it dequantized, or with --quantization int8 / int4"
         )
 
 

@@ -15,6 +15,7 @@ from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.models.base import DecoderLM
 from radixlm.runtime.models.registry import (
     applies_sliding_window,
+    check_quantization,
     model_class,
     supported_architectures,
 )
@@ -62,3 +63,10 @@ def test_unknown_architecture_engine(unknown_arch_dir: Path, monkeypatch) -> Non
     monkeypatch.setattr(core_factory, "ModelRunner", _no_weights)
     with pytest.raises(ConfigError, match="unsupported model architecture 'FooBarForCausalLM'"):
         Engine(str(unknown_arch_dir), dtype="float32", num_pages=8)
+
+
+def test_gguf_blocks_only_for_the_llama_family() -> None:
+    check_quantization("LlamaForCausalLM", "gguf")
+    check_quantization("Gemma3ForCausalLM", "int8")
+    with pytest.raises(ConfigError, match="gguf"):
+        check_quantization("Gemma3ForCausalLM", "gguf")
