@@ -79,3 +79,22 @@ def test_grouped_experts_equal_a_per_token_loop(renormalize):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if renormalize:
         torch.testing.assert_close(weights.sum(-1), torch.ones(17))
+
+
+def test_int8_quantizes_attention_and_keeps_experts_dense(tiny_qwen3_moe_dir):
+    from family_check import run_chunks
+
+    from radixlm.config import CacheConfig
+    from radixlm.runtime.model_runner import ModelRunner
+    from radixlm.runtime.quantization import QuantLinear
+
+    runner = ModelRunner(
+        tiny_qwen3_moe_dir, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=8),
+        quantization="int8",
+    )  # fmt: skip
+    layers = runner.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(layers[1].mlp.gate_up_proj, QuantLinear)  # the dense layer
+    assert layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
+    logits = run_chunks(runner, list(range(5, 25)), [20])
+    assert logits.shape == (20, 49152) and torch.isfinite(logits).all()
