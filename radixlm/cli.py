@@ -17,7 +17,8 @@ from radixlm.config import CacheConfig, EngineConfig, SchedulerConfig
 from radixlm.runtime.errors import ConfigError
 
 _HELP = {
-    "model": "local HF model dir or .gguf file (default: SmolLM2-135M-Instruct, fetched once)",
+    "model": "local HF model dir or .gguf file, or gemma-3-270m (its PyPI package installed) "
+    "(default: SmolLM2-135M-Instruct, fetched once)",
     "dtype": "bfloat16 | float16 | float32",
     "device": "cuda | cpu (default: cuda if available)",
     "attention_backend": "auto (cpu op on CPU, triton on CUDA) | cpu | torch | triton",

@@ -6,6 +6,7 @@ once per query head) and walks its split of the sequence in `BLOCK_N`-token bloc
 softmax in fp32. With one split the program writes the normalized output directly; with several
 (flash-decoding, for long contexts and small batches) it writes a partial output and its
 log-sum-exp, and `_decode_reduce_kernel` (grid `(request, q_head)`) merges the splits.
+With a sliding window `WINDOW` > 0 only the last `WINDOW` keys are read (and split).
 
 Twin: the decode branch of `radixlm.kernels.reference.paged_attention`.
 """
@@ -65,6 +66,7 @@ def _decode_stage1_kernel(
     SINGLE_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter: bf16 dot is wrong)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 (no tf32), else None
+    WINDOW: tl.constexpr,  # sliding window (0: full attention)
 ):
     n = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,8 +75,12 @@ def _decode_stage1_kernel(
     q_row = tl.load(Q_rows + req).to(tl.int64)
     seq_len = tl.load(Seq_lens + req)
     page_base = tl.load(Kv_indptr + req)
-    split_len = tl.cdiv(seq_len, num_splits)
-    start = split * split_len
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    else:
+        lo = seq_len * 0
+    split_len = tl.cdiv(seq_len - lo, num_splits)
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -154,6 +160,7 @@ def _decode_reduce_kernel(
     stride_lh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (request, q_head): merge the non-empty splits by their log-sum-exp."""
     n = tl.program_id(0)
@@ -161,6 +168,8 @@ def _decode_reduce_kernel(
     req = tl.load(Req_ids + n)
     q_row = tl.load(Q_rows + req).to(tl.int64)
     seq_len = tl.load(Seq_lens + req)
+    if WINDOW > 0:
+        seq_len = tl.minimum(seq_len, WINDOW)  # the keys read: the last WINDOW
     split_len = tl.cdiv(seq_len, num_splits)
     offs_d = tl.arange(0, BLOCK_D)
     # NOTE: the running max / sum are kept as [BLOCK_D] vectors (all lanes equal) so every
@@ -208,8 +217,9 @@ def decode_attention(
     scale: float,
     num_kv_splits: int = 1,
     mid: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Paged decode attention; returns `o`.
+    """Paged decode attention; returns `o`. `window` > 0: only the last `window` keys.
 
     Invariants (not checked on device): the query of request `r` sits at position
     `seq_lens[r] - 1` and its own K/V is already stored; request `r`'s pages cover `seq_lens[r]`
@@ -294,6 +304,7 @@ def decode_attention(
         SINGLE_SPLIT=single,
         UPCAST=upcast,
         PRECISION=precision,
+        WINDOW=window,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )
     if not single:
@@ -314,6 +325,7 @@ def decode_attention(
             mid_lse.stride(1),
             HEAD_DIM=d,
             BLOCK_D=block_d,
+            WINDOW=window,
         )
     return o
 

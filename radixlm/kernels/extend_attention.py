@@ -7,6 +7,9 @@ query head and runs a flash-attention online softmax (fp32) over two loops:
    (`kv_indptr`/`kv_indices`), no mask besides the length;
 2. the new tokens themselves (positions `prefix_len ..`), causal, stopping at the q block's end.
 
+With a sliding window `WINDOW` > 0, both loops start at the block of the q block's first
+window key and every tile is masked to keys `> position - WINDOW`.
+
 NOTE: the new tokens' K/V are read from the `k`/`v` tensors of this forward (rows
 `qo_indptr[r] ..`), not from the cache: the kernel does not depend on the store having run, and
 it sees the values at the model's dtype. With a cache of the model's dtype (the runtime's only
@@ -114,6 +117,7 @@ def _extend_kernel(
     EVEN_D: tl.constexpr,  # BLOCK_D == HEAD_DIM: no head-dim masks on K/V loads
     UPCAST: tl.constexpr,  # cast tiles to fp32 before tl.dot (interpreter: bf16 dot is wrong)
     PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window (0: full attention)
 ):
     n = tl.program_id(0)
     m_start = tl.program_id(1) * BLOCK_M
@@ -142,11 +146,17 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         kb_off = kv_head * stride_kbh
         vb_off = kv_head * stride_vbh
+        q_pos = prefix_len + offs_m  # [BLOCK_M]
+        if WINDOW > 0:  # the first key any row of this q block sees, rounded to a block
+            first = tl.maximum(prefix_len + m_start - WINDOW + 1, 0)
+            first = (first // BLOCK_N) * BLOCK_N
+        else:
+            first = prefix_len * 0
 
-        # 1. The cached prefix, through the pages: every new token sees all of it. Whole
-        # blocks first (no masks), then the partial last block.
+        # 1. The cached prefix, through the pages: every new token sees all of it (within its
+        # window). Whole blocks first (no masks), then the partial last block.
         prefix_full = (prefix_len // BLOCK_N) * BLOCK_N
-        for start in range(0, prefix_full, BLOCK_N):
+        for start in range(tl.minimum(first, prefix_full), prefix_full, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             page = tl.load(Kv_indices + page_base + offs_n // PAGE_SIZE)
             slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
@@ -155,6 +165,8 @@ def _extend_kernel(
                 HEAD_DIM, False, EVEN_D, UPCAST,
             )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            if WINDOW > 0:
+                qk = tl.where(offs_n[None, :] > q_pos[:, None] - WINDOW, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
         for start in range(prefix_full, prefix_len, BLOCK_N):  # at most one block
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -167,19 +179,26 @@ def _extend_kernel(
             )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            if WINDOW > 0:
+                qk = tl.where(offs_n[None, :] > q_pos[:, None] - WINDOW, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
 
         # 2. The new tokens, causal. Blocks wholly before this q block are visible to every
-        # row (no masks); the diagonal blocks end at the q block's last row.
+        # row (no masks but the window); the diagonal blocks end at the q block's last row.
         kh_off = kv_head * stride_kh
         vh_off = kv_head * stride_vh
-        for start in range(0, m_start, BLOCK_N):
+        new_first = tl.maximum(first - prefix_len, 0)
+        new_first = (new_first // BLOCK_N) * BLOCK_N
+        for start in range(tl.minimum(new_first, m_start), m_start, BLOCK_N):
             kv_rows = (q_start + start + tl.arange(0, BLOCK_N)).to(tl.int64)
             k, v = _load_kv_tile(
                 K_new, V_new, kv_rows, stride_kt, stride_vt, kh_off, vh_off, offs_d, kv_rows,
                 HEAD_DIM, False, EVEN_D, UPCAST,
             )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+            if WINDOW > 0:
+                k_pos = start + tl.arange(0, BLOCK_N)
+                qk = tl.where(k_pos[None, :] > offs_m[:, None] - WINDOW, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
         end = tl.minimum(ext_len, m_start + BLOCK_M)
         for start in range(m_start, end, BLOCK_N):
@@ -192,6 +211,8 @@ def _extend_kernel(
             )  # fmt: skip
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
             causal = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
+            if WINDOW > 0:
+                causal = causal & (offs_n[None, :] > offs_m[:, None] - WINDOW)
             qk = tl.where(causal, qk, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc, PRECISION)
 
@@ -230,8 +251,10 @@ def extend_attention(
     page_size: int,
     scale: float,
     max_extend_len: int,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Extend (prefill-chunk) attention over a paged prefix; returns `o`.
+    """Extend (prefill-chunk) attention over a paged prefix; returns `o`. `window` > 0: a
+    query at position p sees keys p - window < j <= p.
 
     Invariants (not checked on device): request `r`'s new tokens are rows
     `qo_indptr[r] .. qo_indptr[r + 1] - 1` at positions `prefix_lens[r] ..`; its pages cover at
@@ -306,6 +329,7 @@ def extend_attention(
         EVEN_D=max(16, next_pow2(d)) == d,
         UPCAST=interp or q.dtype == torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else None,
+        WINDOW=window,
         **({} if interp else {"num_warps": num_warps, "num_stages": num_stages}),
     )
     return o

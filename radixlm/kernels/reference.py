@@ -4,6 +4,10 @@ Semantics (see `radixlm.kernels.forward_batch`): request `i`'s new tokens (rows
 `qo_indptr[i]:qo_indptr[i+1]`) sit at positions `prefix_lens[i]..seq_lens[i]-1`; each attends to
 every cached token of its own sequence at a position <= its own. K/V of the new tokens are first
 scattered into their slots, then read back through the page table with the prefix.
+
+A sliding-window layer (`window` W > 0) sees only keys at positions `p - W < j <= p` (the query
+and the W - 1 before it; transformers' `sliding_window` mask). `softcap` > 0 caps the scaled
+logits as `softcap * tanh(s / softcap)` before the mask (Gemma 2 / 3).
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class _Plan:
     page_size: int
 
 
-def plan_attention(batch: ForwardBatch) -> _Plan:
-    """Precompute page gathers and masks once per forward (shared by all layers)."""
+def plan_attention(batch: ForwardBatch, window: int = 0) -> _Plan:
+    """Precompute page gathers and masks once per forward (shared by all layers of one
+    `window`; 0: full attention)."""
     ps = batch.page_size
     device = batch.input_ids.device
     lens = batch.seq_lens_cpu
@@ -87,7 +92,10 @@ def plan_attention(batch: ForwardBatch) -> _Plan:
         idx_t = torch.tensor(idx, device=device)
         pages = batch.page_table[idx_t, :npages].to(torch.int64)  # [b, P]
         lens_t = torch.tensor([lens[i] for i in idx], device=device)
-        mask = torch.arange(npages * ps, device=device)[None, :] < lens_t[:, None]  # [b, L]
+        cols = torch.arange(npages * ps, device=device)[None, :]
+        mask = cols < lens_t[:, None]  # [b, L]
+        if window:
+            mask &= cols >= lens_t[:, None] - window
         rows = torch.tensor([starts[i] for i in idx], device=device)
         groups.append(_DecodeGroup(rows=rows, pages=pages, mask=mask[:, None, None, :]))
     extends = []
@@ -97,11 +105,40 @@ def plan_attention(batch: ForwardBatch) -> _Plan:
             npages = -(-seq_len // ps)
             pages = batch.page_table[i : i + 1, :npages].to(torch.int64)
             mask = None
-            if prefix > 0:
+            if prefix > 0 or 0 < window < seq_len:
                 q_pos = torch.arange(prefix, seq_len, device=device)[:, None]
-                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos  # [e, seq_len]
+                k_pos = torch.arange(seq_len, device=device)[None, :]
+                mask = k_pos <= q_pos  # [e, seq_len]
+                if window:
+                    mask &= k_pos > q_pos - window
             extends.append(_ExtendItem(starts[i], starts[i] + e, seq_len, pages, mask))
     return _Plan(decode=groups, extends=extends, page_size=ps)
+
+
+def sdpa(
+    q: torch.Tensor,  # [b, Hq, e, D]
+    k: torch.Tensor,  # [b, Hkv, L, D]
+    v: torch.Tensor,  # [b, Hkv, L, D]
+    mask: torch.Tensor | None,  # [.., e, L] bool, True = attend; None: causal from position 0
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:  # [b, Hq, e, D]
+    """SDPA with GQA; with `softcap`, the explicit softmax of transformers' eager attention."""
+    gqa = q.shape[1] != k.shape[1]
+    if not softcap:
+        causal = mask is None
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(2, 3)) * scale  # [b, Hq, e, L]
+    s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        e, n = s.shape[-2:]
+        mask = torch.ones(e, n, dtype=torch.bool, device=s.device).tril(n - e)
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def paged_attention(
@@ -110,31 +147,22 @@ def paged_attention(
     v_buf: torch.Tensor,  # [S, Hkv, D]
     plan: _Plan,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Attention of the new tokens over their sequences' cached K/V (already stored)."""
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k_buf.shape[1]
     ps = plan.page_size
     for d in plan.decode:
         qd = q[d.rows][:, :, None, :]  # [b, Hq, 1, D]
         kd = gather_pages(k_buf, d.pages, ps).transpose(1, 2).to(q.dtype)  # [b, Hkv, L, D]
         vd = gather_pages(v_buf, d.pages, ps).transpose(1, 2).to(q.dtype)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=d.mask, scale=scale, enable_gqa=gqa
-        )  # [b, Hq, 1, D]
+        od = sdpa(qd, kd, vd, d.mask, scale, softcap)  # [b, Hq, 1, D]
         out[d.rows] = od[:, :, 0, :]
     for item in plan.extends:
         qe = q[item.start : item.end].transpose(0, 1)[None]  # [1, Hq, e, D]
         ke = gather_pages(k_buf, item.pages, ps)[:, : item.seq_len].transpose(1, 2).to(q.dtype)
         ve = gather_pages(v_buf, item.pages, ps)[:, : item.seq_len].transpose(1, 2).to(q.dtype)
-        if item.mask is None:
-            oe = F.scaled_dot_product_attention(
-                qe, ke, ve, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
-            oe = F.scaled_dot_product_attention(
-                qe, ke, ve, attn_mask=item.mask, scale=scale, enable_gqa=gqa
-            )
+        oe = sdpa(qe, ke, ve, item.mask, scale, softcap)
         out[item.start : item.end] = oe[0].transpose(0, 1)
     return out
 
@@ -145,11 +173,11 @@ class TorchAttentionBackend:
 
     def __init__(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
-        self._plan: _Plan | None = None
+        self._plans: dict[int, _Plan] = {}
 
     def init_forward(self, batch: ForwardBatch) -> None:
         self._batch = batch
-        self._plan = plan_attention(batch)
+        self._plans = {0: plan_attention(batch)}  # windowed plans: on a layer's first use
 
     def forward(
         self,
@@ -158,12 +186,17 @@ class TorchAttentionBackend:
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, Hq, D]
-        assert self._plan is not None, "init_forward() must be called before forward()"
+        assert self._plans, "init_forward() must be called before forward()"
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = plan_attention(self._batch, window)
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, self._batch.out_cache_loc, k, v)
-        return paged_attention(q, k_buf, v_buf, self._plan, scale)
+        return paged_attention(q, k_buf, v_buf, plan, scale, softcap)
 
 
 def rms_norm_ref(
@@ -206,3 +239,14 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     """Twin of the CPU `silu_and_mul`: `silu(gate) * up` for `x = [gate | up]`, in x's dtype."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """GeGLU (Gemma): `gelu_tanh(gate) * up` for `x = [gate | up]`, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def softcap_ref(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(x / cap)` (Gemma's final logit soft-capping)."""
+    return torch.tanh(x / cap) * cap

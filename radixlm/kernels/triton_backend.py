@@ -115,9 +115,13 @@ class TritonAttentionBackend:
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         batch = self._batch
         assert batch is not None, "init_forward() must be called before forward()"
+        if softcap:
+            raise NotImplementedError("attention soft-capping: use attention_backend='torch'")
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
@@ -142,6 +146,7 @@ class TritonAttentionBackend:
                 scale,
                 self.num_kv_splits,
                 mid,
+                window,
             )
         if self.extend_ids.numel():
             extend_attention(
@@ -159,6 +164,7 @@ class TritonAttentionBackend:
                 batch.page_size,
                 scale,
                 self.max_extend_len,
+                window,
             )
         return o
 

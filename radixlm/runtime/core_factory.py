@@ -26,6 +26,7 @@ from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 from radixlm.runtime.models.model_info import context_length, load_model_info
+from radixlm.runtime.models.registry import check_architecture, check_tensor_parallel
 from radixlm.runtime.output_processor import OutputProcessor
 from radixlm.runtime.scheduler import Scheduler, TokenAppender
 
@@ -49,6 +50,8 @@ class EngineParts:
         self.model_dir = resolve_model_path(cfg.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_info = load_model_info(self.model_dir)
+        check_architecture(self.model_info.architecture)  # before any weight is read
+        check_tensor_parallel(self.model_info.architecture, cfg.tp_size)
         self.device = pick_device(cfg.device)
         self.runner = self._make_runner()
         if self.device.type == "cpu":

@@ -11,7 +11,7 @@ import torch
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
-from radixlm.runtime.models.llama import MODEL_REGISTRY
+from radixlm.runtime.models.registry import check_architecture, check_quantization, model_class
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.parallel_state import TensorParallelGroup
@@ -95,10 +95,8 @@ class ModelRunner:
         info = model_info or load_model_info(model_dir)
         hf_config = info.hf_config
         arch = info.architecture
-        if arch not in MODEL_REGISTRY:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {sorted(MODEL_REGISTRY)}"
-            )
+        check_architecture(arch)  # before any weight is read
+        check_quantization(arch, quantization)
         self.hf_config = hf_config
         self.max_model_len = min(
             hf_config.max_position_embeddings, max_model_len or hf_config.max_position_embeddings
@@ -115,7 +113,7 @@ class ModelRunner:
             weights = sharding.shard_weights(weights, spec)
         self.model_config = model_config  # this rank's shapes (== hf_config without TP)
         with torch.device("meta"):
-            model = MODEL_REGISTRY[arch](model_config, max_positions=self.max_model_len)
+            model = model_class(arch)(model_config, max_positions=self.max_model_len)
             if model_config is not hf_config:
                 sharding.parallelize(model, tp)
         model.to_empty(device=device)
@@ -134,7 +132,7 @@ class ModelRunner:
 
             quantize_model(model, quantization, quantization_group_size, quantization_lm_head)
         # NOTE: non-persistent RoPE tables were on meta; rebuild them for real (float32).
-        model.rotary = type(model.rotary)(hf_config, model.head_dim, self.max_model_len).to(device)
+        model.build_rope(hf_config, self.max_model_len, device)
         model.eval()
         self.model = model
         self.vocab_size = hf_config.vocab_size

@@ -81,17 +81,18 @@ class PagedCase:
         half-precision P @ V product)."""
         return tolerance(self.q.dtype)
 
-    def torch_twin(self, scale: float) -> torch.Tensor:  # [T, Hq, D]
+    def torch_twin(self, scale: float, window: int = 0) -> torch.Tensor:  # [T, Hq, D]
         """`TorchAttentionBackend` (store + paged SDPA) on a copy of the cache."""
         from radixlm.kernels.reference import TorchAttentionBackend
 
         cache = KVCache([self.k_buf.clone()], [self.v_buf.clone()], self.cache.page_size)
         backend = TorchAttentionBackend(cache)
         backend.init_forward(self.batch)
-        return backend.forward(0, self.q, self.k_new, self.v_new, scale)
+        return backend.forward(0, self.q, self.k_new, self.v_new, scale, window)
 
-    def dense_reference(self, scale: float) -> torch.Tensor:  # [T, Hq, D] float32
-        """`scaled_dot_product_attention` on dense fp32 K/V per request (GQA by repeat)."""
+    def dense_reference(self, scale: float, window: int = 0) -> torch.Tensor:  # [T, Hq, D] fp32
+        """`scaled_dot_product_attention` on dense fp32 K/V per request (GQA by repeat); with
+        `window` W, a query at position p sees keys p - W < j <= p."""
         outs = []
         row = 0
         for (prefix, new), k, v in zip(self.shapes, self.k_seq, self.v_seq):
@@ -101,7 +102,10 @@ class PagedCase:
             vv = v.float().repeat_interleave(rep, dim=1).transpose(0, 1)
             L = prefix + new
             pos = prefix + torch.arange(new, device=q.device)
-            mask = torch.arange(L, device=q.device)[None, :] <= pos[:, None]  # [new, L]
+            keys = torch.arange(L, device=q.device)[None, :]
+            mask = keys <= pos[:, None]  # [new, L]
+            if window:
+                mask &= keys > pos[:, None] - window
             qq = q.transpose(0, 1)  # [Hq, new, D]
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
             outs.append(o.transpose(0, 1))

@@ -19,7 +19,7 @@ import torch
 
 from radixlm.kernels.cpu.build import load_error, load_op
 from radixlm.kernels.cpu.fused import store_kv
-from radixlm.kernels.cpu.plan import PlanConfig, plan_work
+from radixlm.kernels.cpu.plan import PlanConfig, WorkPlan, plan_work
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
@@ -65,6 +65,7 @@ class CpuAttentionBackend:
                 "CPU attention op needs head_dim %% 16 == 0 (got %d); using the torch backend",
                 head_dim,
             )
+        self._softcap_twin: TorchAttentionBackend | None = None
         self.force_num_kv_splits: int | None = None
         self.max_kv_splits = 16
         self.min_tokens_per_split = 256
@@ -75,26 +76,15 @@ class CpuAttentionBackend:
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
-        """Plan the work items once per forward (shared by all layers): `plan.plan_work`."""
+        """Plan the work items once per forward (shared by all layers; a sliding window's plan
+        on its first layer): `plan.plan_work`."""
         self._batch = batch
         if self._twin is not None:
             self._twin.init_forward(batch)
             return
         self.page_table = batch.page_table.to(torch.int32).contiguous()
-        plan = plan_work(
-            batch.extend_lens_cpu,
-            batch.seq_lens_cpu,
-            self.page_table,
-            batch.page_size,
-            PlanConfig(
-                threads=torch.get_num_threads(),
-                max_kv_splits=self.max_kv_splits,
-                min_tokens_per_split=self.min_tokens_per_split,
-                extend_block=self.extend_block,
-                force_num_kv_splits=self.force_num_kv_splits,
-                min_shared_tokens=self.min_shared_tokens,
-            ),
-        )
+        self._plans: dict[int, WorkPlan] = {}
+        plan = self._plan(0)
         self.items = plan.items
         self.item_rows = plan.item_rows
         self.reduces = plan.reduces
@@ -104,19 +94,55 @@ class CpuAttentionBackend:
         # Split-KV scratch, allocated by the first layer (Hq and D are known there).
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _plan(self, window: int) -> WorkPlan:
+        """This forward's plan for layers with this sliding `window` (0: full attention)."""
+        plan = self._plans.get(window)
+        if plan is None:
+            batch = self._batch
+            assert batch is not None
+            plan = self._plans[window] = plan_work(
+                batch.extend_lens_cpu,
+                batch.seq_lens_cpu,
+                self.page_table,
+                batch.page_size,
+                PlanConfig(
+                    threads=torch.get_num_threads(),
+                    max_kv_splits=self.max_kv_splits,
+                    min_tokens_per_split=self.min_tokens_per_split,
+                    extend_block=self.extend_block,
+                    force_num_kv_splits=self.force_num_kv_splits,
+                    min_shared_tokens=self.min_shared_tokens,
+                    window=window,
+                ),
+            )
+        return plan
+
+    def _twin_backend(self) -> TorchAttentionBackend:
+        """The torch twin (for this head dim, or a soft-capped layer), planned for this
+        forward."""
+        twin = self._twin or self._softcap_twin
+        if twin is None:
+            twin = self._softcap_twin = TorchAttentionBackend(self.kv_cache)
+        if getattr(twin, "_batch", None) is not self._batch:
+            twin.init_forward(self._batch)
+        return twin
+
     @property
     def runs_compiled_op(self) -> bool:
         """False where this head dim sends every call to the torch twin."""
         return self._twin is None
 
-    def partial_buffers(self, hq: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's split-KV scratch (`[parts, Hq, D]`, `[parts, Hq]` fp32), allocated
-        once per forward and shared by its layers."""
+    def partial_buffers(
+        self, hq: int, d: int, num_parts: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's split-KV scratch (`[>= parts, Hq, D]`, `[>= parts, Hq]` fp32),
+        allocated once per forward and shared by its layers."""
+        need = self.num_parts if num_parts is None else num_parts
         parts = self._parts
-        if parts is None or parts[0].shape[1:] != (hq, d):
+        if parts is None or parts[0].shape[1:] != (hq, d) or parts[0].shape[0] < need:
             parts = self._parts = (
-                torch.empty((self.num_parts, hq, d), dtype=torch.float32),
-                torch.empty((self.num_parts, hq), dtype=torch.float32),
+                torch.empty((need, hq, d), dtype=torch.float32),
+                torch.empty((need, hq), dtype=torch.float32),
             )
         return parts
 
@@ -127,29 +153,33 @@ class CpuAttentionBackend:
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
         scale: float,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:  # [T, Hq, D]
         batch = self._batch
         assert batch is not None, "init_forward() must be called before forward()"
-        if self._twin is not None:
-            return self._twin.forward(layer_id, q, k, v, scale)
+        if self._twin is not None or softcap:  # NOTE: soft-capping: the torch twin only
+            return self._twin_backend().forward(layer_id, q, k, v, scale, window, softcap)
+        plan = self._plan(window)
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
         store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
         qc = q if q.dtype == k_buf.dtype and q.stride(-1) == 1 else q.to(k_buf.dtype).contiguous()
         out = torch.empty(qc.shape, dtype=qc.dtype)  # [T, Hq, D]
-        parts = self.partial_buffers(qc.shape[1], qc.shape[2])
+        parts = self.partial_buffers(qc.shape[1], qc.shape[2], plan.num_parts)
         self.op.paged_attention(
             qc,
             k_buf,
             v_buf,
             out,
             self.page_table,
-            self.items,
-            self.item_rows,
-            self.reduces,
+            plan.items,
+            plan.item_rows,
+            plan.reduces,
             parts[0],
             parts[1],
             batch.page_size,
             scale,
+            window,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -32,7 +32,8 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, con
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                      at::Tensor& out, const at::Tensor& page_table, const at::Tensor& items,
                      const at::Tensor& item_rows, const at::Tensor& reduces,
-                     at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size, double scale);
+                     at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size, double scale,
+                     int64_t window);
 
 namespace {
 
@@ -121,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor qc = q.scalar_type() == k_buf.scalar_type() ? q : q.to(k_buf.scalar_type());
     at::Tensor attn = at::empty({t, num_heads, head_dim}, qc.options());
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
-                    part_lse, page_size, scale);
+                    part_lse, page_size, scale, 0);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
     at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l));
     h = add_rms_norm(o, residual, ln2[l], eps);

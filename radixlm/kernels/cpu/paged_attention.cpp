@@ -7,9 +7,14 @@
 //   (req, row0, nq, pos0, kv_lo, kv_hi, part)
 // meaning: query rows row0 .. row0 + nq - 1 of q (at positions pos0 .. pos0 + nq - 1 of request
 // req) attend to the keys at positions [kv_lo, min(kv_hi, pos0 + nq)), causally (a query at
-// position p sees keys <= p). part < 0: the normalized output goes to out; part >= 0: the item is
-// one split of a split-KV decode, its normalized output and log2-sum-exp go to the partial
-// buffers at index part, and a reduce item (row, part0, nparts) combines them.
+// position p sees keys <= p), and with a sliding window W > 0 only keys > p - W (the host plans
+// kv_lo >= pos0 - W + 1; rows after the first are masked per row). part < 0: the normalized
+// output goes to out; part >= 0: the item is one split of a split-KV decode, its normalized
+// output and log2-sum-exp go to the partial buffers at index part, and a reduce item
+// (row, part0, nparts) combines them. nq < 0 is a shared-prefix item: the -nq decode rows
+// listed at item_rows[row0 + 1 ..] (different requests on the same leading pages) attend to
+// keys [kv_lo, kv_hi) together; row i's partial goes to part + i * item_rows[row0]
+// (radixlm/kernels/cpu/plan.py plans them).
 //
 // Each item is one task over all KV heads: a key block is read as whole [Hkv, D] rows (a page
 // is one sequential run of memory), and the G = Hq / Hkv query heads that share a KV head are
@@ -106,7 +111,7 @@ inline void store_out(const float* src, T* dst, int64_t n, float mul) {
 }
 
 struct Dims {
-  int64_t hq, hkv, d, group, page_size;
+  int64_t hq, hkv, d, group, page_size, window;  // window 0: full attention
   int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, pt_s0;
 };
 
@@ -737,11 +742,14 @@ void attend_task(
       float* sr = s + r * BLOCK_K;
       const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
       const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
-      if (nv <= 0) {  // every key of the block is after this query: weights 0, no rescale
+      // keys before the window's first (position qpos - W + 1) are masked too
+      const int64_t nlo = dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0;
+      if (nv <= nlo) {  // no key of the block is visible to this query: weights 0, no rescale
         std::fill(sr, sr + BLOCK_K, 0.f);
         alpha[r] = 1.f;
         continue;
       }
+      for (int64_t jj = 0; jj < nlo; ++jj) sr[jj] = NEG_INF;
       for (int64_t jj = nv; jj < BLOCK_K; ++jj) sr[jj] = NEG_INF;
       v8 mx = load(sr);
       for (int jj = VW; jj < BLOCK_K; jj += VW) mx = mx > load(sr + jj) ? mx : load(sr + jj);
@@ -860,8 +868,10 @@ void paged_attention(
     at::Tensor& part_o,            // [P, Hq, D] float32 (P >= 0)
     at::Tensor& part_lse,          // [P, Hq] float32
     int64_t page_size,
-    double scale) {
+    double scale,
+    int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 3);
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && k_buf.scalar_type() == v_buf.scalar_type()
               && out.scalar_type() == q.scalar_type(), "q, k_buf, v_buf, out: one dtype");
@@ -882,7 +892,7 @@ void paged_attention(
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape");
   TORCH_CHECK(reduces.size(0) == 0 || part_o.dim() == 3 && part_o.size(1) == hq &&
               part_o.size(2) == d && part_lse.size(1) == hq, "partial buffers: [P, Hq, D]");
-  Dims dm{hq, hkv, d, hq / hkv, page_size, q.stride(0), q.stride(1), out.stride(0),
+  Dims dm{hq, hkv, d, hq / hkv, page_size, window, q.stride(0), q.stride(1), out.stride(0),
           out.stride(1), k_buf.stride(0), k_buf.stride(1), page_table.stride(0)};
   const int64_t n_items = items.size(0), n_red = reduces.size(0);
   const int32_t* it = items.data_ptr<int32_t>();
@@ -931,8 +941,7 @@ TORCH_LIBRARY(radixlm_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, Tensor page_table, "
       "Tensor items, Tensor item_rows, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, "
-      "int page_size, "
-      "float scale) -> ()");
+      "int page_size, float scale, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention);

@@ -39,6 +39,9 @@ class PlanConfig:
     extend_block: int = 64
     force_num_kv_splits: int | None = None
     min_shared_tokens: int = 128
+    # Sliding window W > 0: a query at position p sees keys > p - W only (an item's keys start
+    # at its first query's window; the op masks later rows per row). No shared-prefix items.
+    window: int = 0
 
 
 @dataclass
@@ -119,7 +122,7 @@ def plan_work(
     num_shared = 0
     groups = (
         []
-        if cfg.force_num_kv_splits is not None
+        if cfg.force_num_kv_splits is not None or cfg.window
         else _shared_groups(decode_reqs, seq_lens, page_table, page_size, cfg.min_shared_tokens)
     )
     for reqs, shared in groups:
@@ -156,21 +159,24 @@ def plan_work(
             continue
         prefix = n - e
         if e == 1:
-            splits = splits_for(n)
+            first = max(0, n - cfg.window) if cfg.window else 0
+            splits = splits_for(n - first)
             if splits > 1:
                 reduces.append((rows_of[r], num_parts, splits))
-                for lo, hi in _bounds(0, n, splits):
+                for lo, hi in _bounds(first, n, splits):
                     items.append((r, rows_of[r], 1, prefix, lo, hi, num_parts))
                     costs.append(hi - lo)
                     num_parts += 1
             else:
-                items.append((r, rows_of[r], 1, prefix, 0, n, -1))
-                costs.append(n)
+                items.append((r, rows_of[r], 1, prefix, first, n, -1))
+                costs.append(n - first)
         else:
             for q0 in range(0, e, cfg.extend_block):
                 nq = min(cfg.extend_block, e - q0)
-                items.append((r, rows_of[r] + q0, nq, prefix + q0, 0, n, -1))
-                costs.append(nq * (prefix + q0 + nq))
+                pos0 = prefix + q0
+                first = max(0, pos0 - cfg.window + 1) if cfg.window else 0
+                items.append((r, rows_of[r] + q0, nq, pos0, first, n, -1))
+                costs.append(nq * (pos0 + nq - first))
     # Longest first (cost ~ query rows x keys): dynamic hand-out then balances the threads.
     order = sorted(range(len(items)), key=lambda i: -costs[i])
     return WorkPlan(

@@ -90,6 +90,8 @@ class CpuDecoderStack:
         from radixlm.kernels.cpu.backend import CpuAttentionBackend
         from radixlm.kernels.cpu.build import load_op
 
+        if not getattr(model, "CPU_STACK", False):
+            return f"the compiled stack runs the Llama family only, not {type(model).__name__}"
         if load_op() is None:
             return "the CPU ops are unavailable"
         if not isinstance(attn, CpuAttentionBackend) or not attn.runs_compiled_op:

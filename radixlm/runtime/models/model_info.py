@@ -12,13 +12,10 @@ from typing import Any
 
 import torch
 
+from radixlm.runtime.models.registry import ARCH_BY_MODEL_TYPE, applies_sliding_window
+
 logger = logging.getLogger(__name__)
 
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 # model_types whose q/k/v projections carry a bias without a config field saying so.
 _IMPLICIT_QKV_BIAS = frozenset({"qwen2"})
 
@@ -65,7 +62,7 @@ def load_model_info(model_dir: Path) -> ModelInfo:
         config = config.get_text_config()
     model_type = str(getattr(config, "model_type", ""))
     archs = getattr(config, "architectures", None) or []
-    architecture = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type)
+    architecture = archs[0] if archs else ARCH_BY_MODEL_TYPE.get(model_type)
     if architecture is None:
         raise ValueError(f"cannot tell the architecture of {model_dir} (model_type={model_type!r})")
 
@@ -114,13 +111,14 @@ def _sliding_window(config: Any) -> int | None:
 def context_length(info: ModelInfo, requested: int | None) -> int:
     """The context length the engine serves: `requested` (default: the model's maximum).
 
-    NOTE: sliding-window attention is not implemented; within the window, full attention is
-    exactly what a sliding-window model computes. So a sliding-window model's context is
-    clamped to its window by default, and asking for more is a `ValueError`.
+    NOTE: families that apply their sliding windows (`registry.applies_sliding_window`) serve
+    their full context. The Llama family ignores a window (Mistral); within the window, full
+    attention is exactly what the model computes, so its context is clamped to the window by
+    default, and asking for more is a `ValueError`.
     """
     limit = info.max_position_embeddings
     window = info.sliding_window
-    if window is not None and window < limit:
+    if window is not None and window < limit and not applies_sliding_window(info.architecture):
         if requested is not None and requested > window:
             raise ValueError(
                 f"max_model_len {requested} exceeds the model's sliding attention window "

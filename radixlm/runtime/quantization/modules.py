@@ -160,15 +160,23 @@ def install_head_and_embedding(
         model.embed_tokens = QuantEmbedding(QuantLinear(_int8_weight(emb_w), None, dtype, device))
 
 
+def _submodule_or_none(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def quantize_model(model: nn.Module, mode: str, group_size: int, head: str = "int8") -> int:
     """Replace the float projections of every layer by `mode` ("int8" / "int4") `QuantLinear`s,
     the LM head by a `head` one and the embedding by an int8 one; returns how many linears.
     NOTE: call after the weights are loaded and tied; a tensor-parallel shard is quantized as
-    it is (shard, then quantize)."""
+    it is (shard, then quantize). A sparse MoE layer has no `mlp.gate_up_proj`: its experts
+    stay dense."""
     count = 0
     for layer in model.layers:
         for path in LAYER_PROJECTIONS:
-            lin = layer.get_submodule(path)
+            lin = _submodule_or_none(layer, path)
             if isinstance(lin, nn.Linear):
                 _set(layer, path, quantize_linear(lin, mode, group_size))
                 count += 1

@@ -3,36 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from family_check import hf_logits, run_chunks
 
 from radixlm.config import CacheConfig
-from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.model_runner import ModelRunner
-
-
-def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]  # [L, V]
-
-
-def run_chunks(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Prefill `ids` in the given chunk sizes through the paged cache; all-position logits."""
-    ps = runner.page_size
-    pages = list(range(-(-len(ids) // ps)))
-    outs, start = [], 0
-    for n in chunks:
-        batch = ForwardBatch.build(
-            [ids[start : start + n]], [start], [pages], [list(range(n))], ps, "cpu"
-        )
-        outs.append(runner.forward(batch))
-        start += n
-    return torch.cat(outs)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
