@@ -18,6 +18,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "olmoe:OlmoeForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
 }
@@ -38,6 +39,7 @@ ARCH_BY_MODEL_TYPE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
