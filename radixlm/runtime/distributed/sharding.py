@@ -1,4 +1,5 @@
-"""Megatron-style sharding of the Llama-family model, done while the checkpoint is read.
+"""Megatron-style sharding of the decoder families (`runtime.models.registry` says which), done
+while the checkpoint is read.
 
 Per decoder layer, rank `r` of `tp` holds:
 
@@ -7,7 +8,8 @@ Per decoder layer, rank `r` of `tp` holds:
   `tp / num_kv_heads` consecutive ranks (vLLM's rule: rank `r` holds KV head
   `r // (tp / num_kv_heads)`, the one its query heads attend to). Anything else is refused.
 - `o_proj` (row parallel): the matching input columns; one all-reduce of its output.
-- `gate_up_proj` (column parallel): `intermediate / tp` rows of gate and of up.
+- `gate_up_proj` (column parallel): `intermediate / tp` rows of gate and of up. Checkpoints
+  that ship `qkv_proj` / `gate_up_proj` fused (Phi-3) are cut into their parts, each sliced.
 - `down_proj` (row parallel): the matching input columns; one all-reduce; its bias (if any) is
   added once, after the reduction.
 
@@ -151,6 +153,15 @@ def shard_tensor(name: str, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tens
         return tensor
     module, kind = parts[-2], parts[-1]
     d, r = spec.head_dim, spec.rank
+    if module == "qkv_proj":  # checkpoint-fused (Phi-3): [q | k | v] rows, each sliced
+        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        q, k, v = tensor.split([q_size, kv_size, kv_size])
+        return torch.cat([shard_tensor(f"{p}.{kind}", t, spec) for p, t in
+                          (("q_proj", q), ("k_proj", k), ("v_proj", v))])  # fmt: skip
+    if module == "gate_up_proj":  # checkpoint-fused (Phi-3): [gate | up] rows, each sliced
+        gate, up = tensor.chunk(2)
+        return torch.cat([shard_tensor(f"gate_proj.{kind}", gate, spec),
+                          shard_tensor(f"up_proj.{kind}", up, spec)])  # fmt: skip
     if module == "q_proj":
         return _rows(tensor, r * spec.local_heads * d, spec.local_heads * d)
     if module in ("k_proj", "v_proj"):

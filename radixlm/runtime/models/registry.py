@@ -28,8 +28,9 @@ _FAMILIES: dict[str, str] = {
 # (`model_info.context_length`), within which that is exact.
 _LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
-# Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down).
-_TENSOR_PARALLEL = _LLAMA_FAMILY | {"Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+# Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down,
+# or Phi-3's fused qkv / gate_up).
+_TENSOR_PARALLEL = _LLAMA_FAMILY | {"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
 
 # config `model_type` -> architecture, for configs without `architectures`
 ARCH_BY_MODEL_TYPE: dict[str, str] = {

@@ -1,7 +1,8 @@
 """Tensor parallelism (gloo, 2 ranks, float32) for the families whose checkpoint names the
-sharding slices: Qwen3 (per-head q/k norms replicated) and Gemma 3 (sliding-window layers, four
-norms): rank 0's logits equal TP=1's on a prefill longer than the window and a decode step; the
-families that cannot be sharded are refused before anything loads."""
+sharding slices: Qwen3 (per-head q/k norms replicated), Gemma 3 (sliding-window layers, four
+norms) and Phi-3 (checkpoint-fused qkv / gate_up): rank 0's logits equal TP=1's on a prefill
+longer than the window and a decode step; the families that cannot be sharded are refused
+before anything loads."""
 
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ def tp_gemma3_dir(make_tiny_model):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("fixture", ["tp_qwen3_dir", "tp_gemma3_dir"])
+@pytest.fixture(scope="module")
+def tp_phi3_dir(make_tiny_model):
+    return make_tiny_model("phi3", seed=23, pad_token_id=0)
+
+
+@pytest.mark.parametrize("fixture", ["tp_qwen3_dir", "tp_gemma3_dir", "tp_phi3_dir"])
 def test_tp2_logits_match_tp1(fixture: str, request: pytest.FixtureRequest) -> None:
     from radixlm.config import CacheConfig
     from radixlm.kernels.forward_batch import ForwardBatch
@@ -52,7 +58,7 @@ def test_tp2_logits_match_tp1(fixture: str, request: pytest.FixtureRequest) -> N
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"])
 def test_unsharded_families_are_refused(arch: str) -> None:
     check_tensor_parallel(arch, 1)
     with pytest.raises(ConfigError, match="tensor parallelism"):
