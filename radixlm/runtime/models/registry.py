@@ -29,8 +29,14 @@ _FAMILIES: dict[str, str] = {
 _LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 # Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down,
-# or Phi-3's fused qkv / gate_up).
-_TENSOR_PARALLEL = _LLAMA_FAMILY | {"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
+# Phi-3's fused qkv / gate_up, MoE experts). Not OLMoE: its q/k norms span every head.
+_TENSOR_PARALLEL = _LLAMA_FAMILY | {
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+}
 
 # config `model_type` -> architecture, for configs without `architectures`
 ARCH_BY_MODEL_TYPE: dict[str, str] = {
