@@ -133,7 +133,7 @@ def sdpa(
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s = torch.matmul(q, k.transpose(2, 3)) * scale  # [b, Hq, e, L]
-    s = torch.tanh(s / softcap) * softcap
+    s = softcap_ref(s, softcap)
     if mask is None:
         e, n = s.shape[-2:]
         mask = torch.ones(e, n, dtype=torch.bool, device=s.device).tril(n - e)

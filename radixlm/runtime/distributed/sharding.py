@@ -1,4 +1,5 @@
-"""Megatron-style sharding of the Llama-family model, done while the checkpoint is read.
+"""Megatron-style sharding of the decoder families (`runtime.models.registry` says which), done
+while the checkpoint is read.
 
 Per decoder layer, rank `r` of `tp` holds:
 
@@ -7,7 +8,8 @@ Per decoder layer, rank `r` of `tp` holds:
   `tp / num_kv_heads` consecutive ranks (vLLM's rule: rank `r` holds KV head
   `r // (tp / num_kv_heads)`, the one its query heads attend to). Anything else is refused.
 - `o_proj` (row parallel): the matching input columns; one all-reduce of its output.
-- `gate_up_proj` (column parallel): `intermediate / tp` rows of gate and of up.
+- `gate_up_proj` (column parallel): `intermediate / tp` rows of gate and of up. Checkpoints
+  that ship `qkv_proj` / `gate_up_proj` fused (Phi-3) are cut into their parts, each sliced.
 - `down_proj` (row parallel): the matching input columns; one all-reduce; its bias (if any) is
   added once, after the reduction.
 
@@ -46,6 +48,7 @@ class ShardSpec:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+    moe_intermediate_size: int = 0  # an expert's width where it differs (Qwen3-MoE); 0: none
 
     def __post_init__(self) -> None:
         tp = self.tp_size
@@ -61,6 +64,10 @@ class ShardSpec:
         if self.intermediate_size % tp:
             raise ConfigError(
                 f"tp_size {tp} must divide intermediate_size ({self.intermediate_size})"
+            )
+        if self.moe_intermediate_size % tp:
+            raise ConfigError(
+                f"tp_size {tp} must divide moe_intermediate_size ({self.moe_intermediate_size})"
             )
 
     @property
@@ -84,6 +91,10 @@ class ShardSpec:
     def local_intermediate(self) -> int:
         return self.intermediate_size // self.tp_size
 
+    @property
+    def local_expert_intermediate(self) -> int:
+        return (self.moe_intermediate_size or self.intermediate_size) // self.tp_size
+
 
 def shard_spec(hf_config: Any, tp_size: int, rank: int) -> ShardSpec:
     heads = hf_config.num_attention_heads
@@ -95,6 +106,7 @@ def shard_spec(hf_config: Any, tp_size: int, rank: int) -> ShardSpec:
         num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         intermediate_size=hf_config.intermediate_size,
+        moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", None) or 0),
     )
 
 
@@ -105,6 +117,8 @@ def shard_config(hf_config: Any, spec: ShardSpec) -> Any:
     cfg.num_attention_heads = spec.local_heads
     cfg.num_key_value_heads = spec.local_kv_heads
     cfg.intermediate_size = spec.local_intermediate
+    if spec.moe_intermediate_size:
+        cfg.moe_intermediate_size = spec.moe_intermediate_size // spec.tp_size
     return cfg
 
 
@@ -124,10 +138,16 @@ class RowParallelLinear(nn.Linear):
 
 
 def parallelize(model: nn.Module, group: TensorParallelGroup) -> None:
-    """Swap each layer's o_proj and down_proj for row-parallel ones (same shapes and names).
+    """Swap each layer's o_proj and down_proj for row-parallel ones (same shapes and names); a
+    sparse MoE block (each rank holds every expert's `1 / tp` slice) all-reduces its output.
     Call on the model built from `shard_config`, before its weights are materialized."""
     for layer in model.layers:
-        for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+        pairs = [(layer.self_attn, "o_proj")]
+        if hasattr(layer.mlp, "down_proj"):
+            pairs.append((layer.mlp, "down_proj"))
+        else:
+            layer.mlp.all_reduce = group.all_reduce
+        for parent, name in pairs:
             old: nn.Linear = getattr(parent, name)
             with torch.device(old.weight.device):
                 new = RowParallelLinear(
@@ -151,6 +171,17 @@ def shard_tensor(name: str, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tens
         return tensor
     module, kind = parts[-2], parts[-1]
     d, r = spec.head_dim, spec.rank
+    if "experts" in parts:  # a sparse MoE expert: its width sliced like a dense MLP's
+        return _shard_expert(module, kind, tensor, spec)
+    if module == "qkv_proj":  # checkpoint-fused (Phi-3): [q | k | v] rows, each sliced
+        q_size, kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        q, k, v = tensor.split([q_size, kv_size, kv_size])
+        return torch.cat([shard_tensor(f"{p}.{kind}", t, spec) for p, t in
+                          (("q_proj", q), ("k_proj", k), ("v_proj", v))])  # fmt: skip
+    if module == "gate_up_proj":  # checkpoint-fused (Phi-3): [gate | up] rows, each sliced
+        gate, up = tensor.chunk(2)
+        return torch.cat([shard_tensor(f"gate_proj.{kind}", gate, spec),
+                          shard_tensor(f"up_proj.{kind}", up, spec)])  # fmt: skip
     if module == "q_proj":
         return _rows(tensor, r * spec.local_heads * d, spec.local_heads * d)
     if module in ("k_proj", "v_proj"):
@@ -162,6 +193,27 @@ def shard_tensor(name: str, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tens
     if module == "down_proj" and kind == "weight":
         return _cols(tensor, r * spec.local_intermediate, spec.local_intermediate)
     return tensor  # embeddings, norms, lm_head, row-parallel biases
+
+
+# expert projection (per-expert checkpoint names, Mixtral's w1/w3/w2) -> rows (column parallel)
+_EXPERT_ROWS = {"gate_proj", "up_proj", "w1", "w3"}
+_EXPERT_COLS = {"down_proj", "w2"}
+
+
+def _shard_expert(module: str, kind: str, tensor: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """This rank's slice of one expert tensor: per expert (`experts.<e>.<proj>.weight`) or all
+    stacked (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`)."""
+    width, r = spec.local_expert_intermediate, spec.rank
+    if module in _EXPERT_ROWS:
+        return _rows(tensor, r * width, width)
+    if module in _EXPERT_COLS:
+        return _cols(tensor, r * width, width)
+    if kind == "gate_up_proj":
+        gate, up = tensor.chunk(2, dim=1)
+        return torch.cat([gate.narrow(1, r * width, width), up.narrow(1, r * width, width)], 1)
+    if kind == "down_proj":
+        return _cols(tensor, r * width, width)
+    raise ValueError(f"cannot shard expert tensor {module}.{kind}")
 
 
 def shard_weights(

@@ -1,4 +1,5 @@
-"""Model definitions and model loading (GGUF conversion, config normalization, weights)."""
+"""Model families (one module each, chosen by `registry`), their shared layers, and model
+loading (GGUF conversion, config normalization, weights)."""
 
 import os
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.models.base import DecoderLM
 from radixlm.runtime.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from radixlm.runtime.models.qwen3 import layer_window
@@ -59,6 +60,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 class Gemma3ForCausalLM(DecoderLM):
     def __init__(self, config: Any, max_positions: int | None = None) -> None:
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ConfigError("Gemma 3 with bidirectional attention (an encoder) is not served")
         super().__init__(config, max_positions)
         self.embed_scale = float(config.hidden_size) ** 0.5
         self.final_logit_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)

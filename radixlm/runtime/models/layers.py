@@ -192,17 +192,24 @@ class Attention(nn.Module):
         if self.softcap:
             self._attn_kwargs["softcap"] = self.softcap
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
-    ) -> torch.Tensor:  # [T, H] -> [T, H]
-        qkv = self.qkv_proj(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [T, H] -> q [T, Hq, D], k, v
+        """q, k, v by head, before RoPE (q/k normalized per head when the layer has norms)."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm.per_head(q), self.k_norm.per_head(k)
+        return q, k, v
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: RotaryEmbedding, attn
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        t = x.shape[0]
+        q, k, v = self.project(x)
         q, k = rope(batch.positions, q, k)
         o = attn.forward(self.layer_id, q, k, v, self.scale, **self._attn_kwargs)  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.q_size))

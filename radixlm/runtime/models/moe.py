@@ -10,6 +10,8 @@ transformers does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,7 +102,9 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, no bias) + `experts`; `[T, H] -> [T, H]`."""
+    """Router (`gate`, no bias) + `experts`; `[T, H] -> [T, H]`. Under tensor parallelism each
+    rank holds every expert's slice of the intermediate width and `all_reduce` sums the partial
+    outputs (set by `distributed.sharding.parallelize`)."""
 
     def __init__(
         self, hidden: int, intermediate: int, num_experts: int, top_k: int, renormalize: bool
@@ -110,7 +114,11 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden, intermediate)
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, experts = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
-        return self.experts(x, experts, weights.to(x.dtype))
+        out = self.experts(x, experts, weights.to(x.dtype))
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out

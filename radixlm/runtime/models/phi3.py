@@ -17,7 +17,6 @@ class Phi3ForCausalLM(DecoderLM):
     FUSED: ClassVar[dict[str, tuple[str, int]]] = {}  # the checkpoint is fused already
 
     def make_layer(self, config: Any, layer_id: int) -> nn.Module:
-        bias = bool(getattr(config, "attention_bias", False))
         window = int(getattr(config, "sliding_window", None) or 0)
-        attention = Attention(config, layer_id, self.head_dim, bias, bias, window=window)
-        return DecoderLayer(config, layer_id, self.head_dim, bias, False, attention=attention)
+        attention = Attention(config, layer_id, self.head_dim, False, window=window)  # no biases
+        return DecoderLayer(config, layer_id, self.head_dim, False, False, attention=attention)

@@ -18,6 +18,7 @@ _FAMILIES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "olmoe:OlmoeForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
 }
@@ -27,8 +28,15 @@ _FAMILIES: dict[str, str] = {
 # (`model_info.context_length`), within which that is exact.
 _LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
-# Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down).
-_TENSOR_PARALLEL = _LLAMA_FAMILY | {"Qwen3ForCausalLM", "Gemma3ForCausalLM"}
+# Families whose checkpoint names `distributed.sharding` slices (q/k/v, gate/up, o, down,
+# Phi-3's fused qkv / gate_up, MoE experts). Not OLMoE: its q/k norms span every head.
+_TENSOR_PARALLEL = _LLAMA_FAMILY | {
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+}
 
 # config `model_type` -> architecture, for configs without `architectures`
 ARCH_BY_MODEL_TYPE: dict[str, str] = {
@@ -38,6 +46,7 @@ ARCH_BY_MODEL_TYPE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }

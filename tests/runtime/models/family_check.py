@@ -90,14 +90,14 @@ def engine_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int, **
     with Engine(str(model_dir), **{**engine_kw, **kw}) as engine:
         out = [engine.generate(p, params).outputs[0].output_token_ids for p in prompts[:2]]
         out += [r.outputs[0].output_token_ids for r in engine.generate(prompts[2:], params)]
-        hits = engine.stats().cache_hit_tokens
+        stats = engine.stats()
         engine.check_integrity()
-    return out, hits
+    return out, stats
 
 
 def assert_engine_matches_generate(
     model_dir: Path, prompts: list[list[int]] = PROMPTS, new_tokens: int = NEW_TOKENS, **kw
 ) -> None:
-    ours, hits = engine_greedy(model_dir, prompts, new_tokens, **kw)
-    assert hits > 0
+    ours, stats = engine_greedy(model_dir, prompts, new_tokens, **kw)
+    assert stats.cache_hit_tokens > 0
     assert ours == hf_greedy(model_dir, prompts, new_tokens)

@@ -74,3 +74,42 @@ def test_full_context_is_served(tiny_gemma3_dir):
     info = load_model_info(tiny_gemma3_dir)
     assert info.sliding_window == WINDOW
     assert context_length(info, None) == info.max_position_embeddings
+
+
+def test_retraction_matches_generate(tiny_gemma3_dir):
+    """Six concurrent prompts in a pool too small for all of them: requests are retracted and
+    recomputed, crossing the window again; outputs still equal `generate`."""
+    from family_check import hf_greedy
+
+    from radixlm import Engine, SamplingParams
+
+    prompts = [[(i * 131 + j * 17) % 30000 + 9 for j in range(20)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine(
+        str(tiny_gemma3_dir), dtype="float32", page_size=4, num_pages=30, num_threads=1,
+        chunked_prefill_size=8, max_batched_tokens=24,
+    ) as engine:  # fmt: skip
+        ours = [r.outputs[0].output_token_ids for r in engine.generate(prompts, params)]
+        assert engine.stats().num_retractions > 0
+        engine.check_integrity()
+    assert ours == hf_greedy(tiny_gemma3_dir, prompts, 12)
+
+
+def test_speculative_decoding_matches_generate(tiny_gemma3_dir):
+    """Drafts (the radix tree's continuation of a repeated prompt) verified as extends over the
+    sliding layers: accepted, and the tokens are `generate`'s."""
+    from family_check import hf_greedy
+
+    from radixlm import Engine, SamplingParams
+
+    prompt = PROMPTS[2]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    with Engine(
+        str(tiny_gemma3_dir), dtype="float32", page_size=4, num_pages=64, num_threads=1,
+        speculative_algorithm="ngram",
+    ) as engine:  # fmt: skip
+        first = engine.generate(prompt, params).outputs[0].output_token_ids
+        again = engine.generate(prompt, params).outputs[0].output_token_ids
+        assert engine.stats().spec_accepted_tokens > 0
+        engine.check_integrity()
+    assert first == again == hf_greedy(tiny_gemma3_dir, [prompt], 12)[0]

@@ -1,4 +1,5 @@
-"""Sparse MoE families (Qwen3-MoE with norm_topk_prob, Mixtral) against transformers, float32;
+"""Sparse MoE families (Qwen3-MoE with norm_topk_prob, Mixtral, OLMoE with its full-width q/k
+norms and clip_qkv) against transformers, float32;
 the grouped expert computation against a per-token loop."""
 
 from __future__ import annotations
@@ -39,14 +40,30 @@ def tiny_mixtral_dir(make_tiny_model):
     )
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir"])
+@pytest.fixture(scope="module")
+def tiny_olmoe_dir(make_tiny_model):
+    return make_tiny_model(
+        "olmoe",
+        seed=12,
+        num_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        clip_qkv=2.0,
+        tie_word_embeddings=False,
+    )
+
+
+FAMILIES = ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_olmoe_dir"]
+
+
+@pytest.mark.parametrize("fixture", FAMILIES)
 @pytest.mark.parametrize("chunks", [[30], [7, 13, 10]])
 def test_logits_match_transformers(request, fixture, chunks):
     ids = [(i * 7919) % 40000 + 5 for i in range(30)]
     assert_logits_match(request.getfixturevalue(fixture), ids, chunks)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir"])
+@pytest.mark.parametrize("fixture", FAMILIES)
 def test_engine_greedy_matches_generate(request, fixture):
     assert_engine_matches_generate(request.getfixturevalue(fixture))
 
