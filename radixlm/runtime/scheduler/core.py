@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixlm.config import SchedulerConfig
-from radixlm.radix import BlockPool, RadixCache
+from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.batch import (
     PromptLogprobs,
     SampleSlot,
@@ -70,6 +70,7 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         debug_integrity: bool = False,
+        hicache: HiCache | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
@@ -79,7 +80,8 @@ class Scheduler:
         self.page_size = pool.page_size
         self.clock = clock
         self.debug_integrity = debug_integrity
-        self.pages = PageManager(pool, cache)
+        self.hicache = hicache
+        self.pages = PageManager(pool, cache, hicache)
         self.policy = create_policy(config.schedule_policy, config, cache, clock)
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)

@@ -11,28 +11,40 @@ NOTE: invariants kept here
 
 from __future__ import annotations
 
-from radixlm.radix import BlockPool, RadixCache
+from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.request import Request
 
 
 class PageManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache) -> None:
+    def __init__(self, pool: BlockPool, cache: RadixCache, hicache: HiCache | None = None) -> None:
         self.pool = pool
         self.cache = cache
+        self.hicache = hicache
         self.page_size = pool.page_size
 
-    def adopt_prefix(self, req: Request) -> int:
+    def adopt_prefix(self, req: Request, reserve: int = 0) -> int:
         """Start `req` on its longest cached prefix (locked, one ref per page); returns the
-        tokens hit. Positions whose logits give wanted prompt logprobs are never taken."""
+        tokens hit. Positions whose logits give wanted prompt logprobs are never taken.
+
+        With a second tier, the pages after the pool's match that the tier holds are loaded
+        into fresh pool pages (leaving `reserve` free) and inserted into the tree: they count
+        as hit like the pool's."""
         usable = req.num_tokens - 1
         if req.prompt_logprob_start is not None:
             usable = min(usable, max(0, req.prompt_logprob_start - 1))
-        m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
+        tokens = req.token_ids[:usable]
+        m = self.cache.match_prefix(tokens, req.namespace)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
         req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
-        return m.num_tokens
+        if self.hicache is not None:
+            loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve)
+            if loaded:
+                req.pages += loaded
+                req.num_computed_tokens += len(loaded) * self.page_size
+                self.cache_computed(req)
+        return req.num_computed_tokens
 
     def alloc_with_reserve(self, req: Request, total_tokens: int, reserve: int) -> bool:
         """Pages for `total_tokens` in all, leaving `reserve` pages free (headroom for the

@@ -1,0 +1,132 @@
+"""The runtime side of the second KV tier: the page codec over the pool's KV buffers, the
+store's identity, and building a ``HiCache`` from the engine's config.
+
+A page payload is the raw bytes of ``[2 * num_layers, page_size, num_kv_heads, head_dim]`` in
+the cache dtype: every layer's K rows of the page, then every layer's V rows. The identity
+(``kv_identity``) names everything that makes such bytes meaningful; a tier written under
+another identity is never read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixlm.config import CacheConfig
+from radixlm.kernels.forward_batch import KVCache
+from radixlm.radix import HiCache, HostTierStore, RadixCache, open_file_store
+
+logger = logging.getLogger(__name__)
+
+GB = 1024**3
+# files of a model directory that decide what its K/V are (weights, config, tokenizer)
+_MODEL_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".model", ".txt")
+
+
+class KVPageIO:
+    """Whole pool pages <-> payload bytes (``PageIO``), on any device (via host memory)."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        buf = kv.k_buffers[0]
+        self.device = buf.device
+        self.dtype = buf.dtype
+        # [2 * L, page_size, Hkv, D] per page
+        self.page_shape = (2 * len(kv.k_buffers), self.page_size, *buf.shape[1:])
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def _slots(self, pages: Sequence[int]) -> torch.Tensor:
+        ps = self.page_size
+        base = torch.tensor(list(pages), dtype=torch.int64, device=self.device)[:, None] * ps
+        return (base + torch.arange(ps, device=self.device)).flatten()  # [P * ps]
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        if not pages:
+            return []
+        slots = self._slots(pages)
+        bufs = (*self.kv.k_buffers, *self.kv.v_buffers)
+        # [2L, P * ps, H, D] -> [P, 2L, ps, H, D]
+        data = torch.stack([b[slots] for b in bufs]).unflatten(1, (len(pages), self.page_size))
+        data = data.transpose(0, 1).contiguous().cpu()
+        raw = data.view(torch.uint8).reshape(len(pages), -1).numpy()
+        return [row.tobytes() for row in raw]
+
+    def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None:
+        if not pages:
+            return
+        for p in payloads:
+            if len(p) != self.page_bytes:
+                raise ValueError(f"page payload of {len(p)} bytes, expected {self.page_bytes}")
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        data = raw.view(self.dtype).reshape(len(pages), *self.page_shape).to(self.device)
+        data = data.transpose(0, 1).flatten(1, 2)  # [2L, P * ps, H, D]
+        slots = self._slots(pages)
+        for i, buf in enumerate((*self.kv.k_buffers, *self.kv.v_buffers)):
+            buf[slots] = data[i]
+
+
+def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
+    out = []
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name.endswith(_MODEL_FILE_SUFFIXES):
+            st = path.stat()
+            out.append((path.name, st.st_size, int(st.st_mtime)))
+    return out
+
+
+def kv_identity(
+    model_dir: Path, kv: KVCache, tokenizer: Any, rank: int = 0, tp_size: int = 1
+) -> dict[str, object]:
+    """What tier pages are valid for: the model files (path, names, sizes, mtimes), the cache
+    dtype, page size, KV layout, the tokenizer (class, vocabulary size) and the TP shard."""
+    buf = kv.k_buffers[0]
+    directory = model_dir if model_dir.is_dir() else model_dir.parent
+    return {
+        "model_path": str(model_dir.resolve()),
+        "model_files": _files_identity(directory),
+        "dtype": str(buf.dtype),
+        "page_size": kv.page_size,
+        "num_layers": len(kv.k_buffers),
+        "num_kv_heads": int(buf.shape[1]),
+        "head_dim": int(buf.shape[2]),
+        "tokenizer": f"{type(tokenizer).__name__}:{len(tokenizer)}",
+        "tp": f"{rank}/{tp_size}",
+    }
+
+
+def make_hicache(
+    config: CacheConfig,
+    cache: RadixCache,
+    kv: KVCache,
+    model_dir: Path,
+    tokenizer: Any,
+) -> HiCache | None:
+    """The second tier, or None when it is off (``EngineConfig`` refuses it with tensor
+    parallel)."""
+    if not config.hicache_enabled:
+        return None
+    io = KVPageIO(kv)
+    capacity = int(config.hicache_size * GB)
+    if config.hicache_storage_dir is None:
+        store = HostTierStore(capacity)
+        where = "host"
+    else:
+        identity = kv_identity(model_dir, kv, tokenizer)
+        store = open_file_store(config.hicache_storage_dir, identity, capacity, rank=0)
+        where = str(store.directory)
+    logger.info(
+        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB)",
+        where, config.hicache_size, capacity // io.page_bytes, io.page_bytes / 1024,
+    )  # fmt: skip
+    return HiCache(cache, store, io, where)
