@@ -150,8 +150,13 @@ class TierStore:
             for key in list(self._index):
                 self._forget(key)
 
+    def wait_writes(self) -> None:
+        """Return once every page put so far is stored (written or failed)."""
+
     def close(self) -> None:
-        """Finish pending work (writes); the store stays readable."""
+        """Finish pending writes and stop background work; the store stays usable (later
+        writes are synchronous)."""
+        self.wait_writes()
 
     def keys(self) -> list[bytes]:
         """Indexed keys, least recently used first."""
@@ -259,7 +264,10 @@ class FileTierStore(TierStore):
     # ---- TierStore hooks ------------------------------------------------------------------------
     def _store(self, key: bytes, payload: bytes) -> None:
         self._pending[key] = payload
-        self._queue.put(key)
+        if self._writer.is_alive():
+            self._queue.put(key)
+        else:
+            self._write_one(key)
 
     def _load(self, key: bytes) -> bytes | None:
         with self._lock:
@@ -282,11 +290,15 @@ class FileTierStore(TierStore):
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Wait until every queued write is on disk (or failed)."""
+    def wait_writes(self) -> None:
         with self._idle:
-            while self._pending:
+            while self._pending and self._writer.is_alive():
                 self._idle.wait(timeout=0.1)
+
+    def close(self) -> None:
+        self.wait_writes()
+        self._queue.put(None)
+        self._writer.join()
 
     # ---- the writer ----------------------------------------------------------------------------
     def _write_loop(self) -> None:
@@ -294,28 +306,35 @@ class FileTierStore(TierStore):
             key = self._queue.get()
             if key is None:
                 return
-            with self._lock:
-                payload = self._pending.get(key)
-            if payload is None:
-                continue  # dropped or cleared before it was written
-            try:
-                self._write_file(key, payload)
-            except OSError as exc:
-                with self._lock:
-                    self._write_errors += 1
-                    if key in self._pending and key in self._index:
-                        self._used -= self._index.pop(key)
-                        del self._pending[key]
-                    if not self._write_failed_logged:
-                        self._write_failed_logged = True
-                        logger.error(
-                            "hicache: writing page files under %s failed (%s); pages that "
-                            "cannot be written are dropped, serving goes on (logged once)",
-                            self.directory, exc,
-                        )  # fmt: skip
-            with self._idle:
-                self._pending.pop(key, None)
-                self._idle.notify_all()
+            self._write_one(key)
+
+    def _write_one(self, key: bytes) -> None:
+        """Write ``key``'s pending payload (if still wanted); a failure drops the page."""
+        with self._lock:
+            payload = self._pending.get(key)
+        if payload is None:
+            return  # dropped or cleared before it was written
+        try:
+            self._write_file(key, payload)
+            failed = None
+        except OSError as exc:
+            failed = exc
+        with self._idle:
+            current = self._pending.get(key) is payload
+            if current:
+                del self._pending[key]
+            if failed is not None:
+                self._write_errors += 1
+                if current:
+                    self._used -= self._index.pop(key)
+                if not self._write_failed_logged:
+                    self._write_failed_logged = True
+                    logger.error(
+                        "hicache: writing page files under %s failed (%s); pages that cannot "
+                        "be written are dropped, serving goes on (logged once)",
+                        self.directory, failed,
+                    )  # fmt: skip
+            self._idle.notify_all()
 
     def _write_file(self, key: bytes, payload: bytes) -> None:
         tmp = self.directory / f".{key.hex()}.{threading.get_ident()}.tmp"
