@@ -46,20 +46,17 @@ class KVPageIO:
             n *= d
         return n * torch.empty((), dtype=self.dtype).element_size()
 
-    def _slots(self, pages: Sequence[int]) -> torch.Tensor:
+    def _paged(self) -> list[torch.Tensor]:
+        """Every layer's K then V buffer viewed as ``[num_pages, page_size, Hkv, D]``."""
         ps = self.page_size
-        base = torch.tensor(list(pages), dtype=torch.int64, device=self.device)[:, None] * ps
-        return (base + torch.arange(ps, device=self.device)).flatten()  # [P * ps]
+        return [b.view(-1, ps, *b.shape[1:]) for b in (*self.kv.k_buffers, *self.kv.v_buffers)]
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         if not pages:
             return []
-        slots = self._slots(pages)
-        bufs = (*self.kv.k_buffers, *self.kv.v_buffers)
-        # [2L, P * ps, H, D] -> [P, 2L, ps, H, D]
-        data = torch.stack([b[slots] for b in bufs]).unflatten(1, (len(pages), self.page_size))
-        data = data.transpose(0, 1).contiguous().cpu()
-        raw = data.view(torch.uint8).reshape(len(pages), -1).numpy()
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        data = torch.stack([b.index_select(0, idx) for b in self._paged()], dim=1)
+        raw = data.cpu().view(torch.uint8).reshape(len(pages), -1).numpy()  # [P, page bytes]
         return [row.tobytes() for row in raw]
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None:
@@ -69,11 +66,12 @@ class KVPageIO:
             if len(p) != self.page_bytes:
                 raise ValueError(f"page payload of {len(p)} bytes, expected {self.page_bytes}")
         raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        data = raw.view(self.dtype).reshape(len(pages), *self.page_shape).to(self.device)
-        data = data.transpose(0, 1).flatten(1, 2)  # [2L, P * ps, H, D]
-        slots = self._slots(pages)
-        for i, buf in enumerate((*self.kv.k_buffers, *self.kv.v_buffers)):
-            buf[slots] = data[i]
+        # [P, 2L, ps, H, D] -> [2L, P, ps, H, D]: one contiguous block per buffer
+        data = raw.view(self.dtype).reshape(len(pages), *self.page_shape).transpose(0, 1)
+        data = data.contiguous().to(self.device)
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        for i, buf in enumerate(self._paged()):
+            buf.index_copy_(0, idx, data[i])
 
 
 def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
