@@ -49,7 +49,8 @@ class HiCacheStats:
     capacity_bytes: int
     hit_tokens: int  # prompt tokens loaded from the tier instead of computed
     loaded_pages: int
-    load_seconds: float  # spent reading the tier and writing pool pages
+    prefetched_pages: int  # of those, read by a background ``fetch`` before admission
+    load_seconds: float  # spent reading the tier (in the background too) and writing pool pages
     stored_pages: int  # written to the tier (evictions, shutdown write-back)
     dropped_pages: int  # corrupt / truncated / foreign pages dropped
     write_errors: int
@@ -66,7 +67,9 @@ class HiCache:
         self.storage = storage
         self._hit_tokens = 0
         self._loaded_pages = 0
-        self._load_seconds = 0.0
+        self._prefetched_pages = 0
+        self._load_seconds = 0.0  # written by the loop thread (``load``)
+        self._fetch_seconds = 0.0  # written by the fetching thread (``fetch``)
         self._stored_pages = 0
         self._io_failed_logged = False
         cache.evict_listener = self.on_evict
@@ -108,28 +111,53 @@ class HiCache:
         return stored
 
     # ---- up: load on a match ---------------------------------------------------------------------
-    def peek(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> int:
-        """Tokens after ``start`` (page-aligned) that ``load`` could find in the tier, read-only."""
-        n = 0
-        for i, key in enumerate(page_keys(tokens, self.page_size, namespace)):
-            if i * self.page_size < start:
+    def has_next(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> bool:
+        """Whether the tier holds the page of ``tokens`` right after ``start`` (page-aligned)
+        tokens: O(start / page_size) hashes, no read."""
+        ps = self.page_size
+        if len(tokens) - start < ps or self.store.stats().pages == 0:
+            return False
+        keys = page_keys(tokens[: start + ps], ps, namespace)
+        *_, key = keys
+        return self.store.contains(key)
+
+    def fetch(
+        self, tokens: Sequence[int], namespace: Hashable | None, start: int
+    ) -> dict[bytes, bytes]:
+        """Read and verify the tier's consecutive pages of ``tokens`` after ``start`` tokens
+        (at most a pool's worth), by key. Touches only the store, which is thread-safe: a
+        background thread calls this while the forward runs, and ``load`` takes the result."""
+        ps, out = self.page_size, {}
+        t0 = time.perf_counter()
+        for i, key in enumerate(page_keys(tokens, ps, namespace)):
+            if i * ps < start:
                 continue
-            if not self.store.contains(key):
+            if len(out) >= self.pool.num_pages:
                 break
-            n += self.page_size
-        return n
+            payload = self.store.get(key)
+            if payload is None:
+                break
+            out[key] = payload
+        self._fetch_seconds += time.perf_counter() - t0
+        return out
 
     def load(
-        self, tokens: Sequence[int], namespace: Hashable | None, start: int, reserve: int = 0
+        self,
+        tokens: Sequence[int],
+        namespace: Hashable | None,
+        start: int,
+        reserve: int = 0,
+        prefetched: dict[bytes, bytes] | None = None,
     ) -> list[int]:
         """Pool pages holding the tier's copies of the whole pages of ``tokens`` after the first
         ``start`` tokens (the pool match; page-aligned), consecutive from there. The caller holds
         one ref on each page returned and must insert them into the tree (or release them).
-        Leaves at least ``reserve`` pages free; the caller's matched prefix must be locked."""
+        Leaves at least ``reserve`` pages free; the caller's matched prefix must be locked.
+        ``prefetched`` (from ``fetch``) is used first; pages it lacks are read now."""
         ps = self.page_size
         if start % ps:
             raise ValueError(f"load starts at {start}, not a page boundary of {ps}")
-        if len(tokens) - start < ps or self.store.stats().pages == 0:
+        if len(tokens) - start < ps or (self.store.stats().pages == 0 and not prefetched):
             return []
         t0 = time.perf_counter()
         payloads: list[bytes] = []
@@ -139,7 +167,11 @@ class HiCache:
                 continue
             if len(payloads) >= limit:
                 break
-            payload = self.store.get(key)
+            payload = prefetched.pop(key, None) if prefetched else None
+            if payload is not None:
+                self._prefetched_pages += 1
+            else:
+                payload = self.store.get(key)
             if payload is None:
                 break
             payloads.append(payload)
@@ -177,7 +209,8 @@ class HiCache:
             capacity_bytes=s.capacity_bytes,
             hit_tokens=self._hit_tokens,
             loaded_pages=self._loaded_pages,
-            load_seconds=self._load_seconds,
+            prefetched_pages=self._prefetched_pages,
+            load_seconds=self._load_seconds + self._fetch_seconds,
             stored_pages=self._stored_pages,
             dropped_pages=s.dropped_pages,
             write_errors=s.write_errors,

@@ -55,6 +55,9 @@ class Engine:
         self.scheduler, self.executor = parts.scheduler, parts.executor
         self.processor, self.core = parts.processor, parts.core
         self._loop = EngineLoop(parts)
+        if self.scheduler.pages.tier_loads is not None:
+            # a finished background read of tier pages makes its request admissible
+            self.scheduler.pages.tier_loads.on_done = lambda: self._loop.put("wake")
         self._loop.start()
 
     @property
@@ -363,6 +366,9 @@ class Engine:
         tier = self.parts.hicache
         if tier is None:
             return
+        loads = self.scheduler.pages.tier_loads
+        if loads is not None:
+            loads.close()
         try:
             with self._lock:
                 tier.write_back_all()

@@ -71,6 +71,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.reqs: list[Req] = []
         self.known: set[bytes] = set()  # keys of every page ever computed
         self.corrupted: set[bytes] = set()  # keys whose file a rule damaged
+        # background reads (``fetch``) not taken yet, possibly stale by the time they are
+        self.prefetched: dict[tuple[Hashable | None, tuple[int, ...]], dict[bytes, bytes]] = {}
 
     def _new_store(self) -> HostTierStore | FileTierStore:
         if self.dir is None:
@@ -91,7 +93,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         m = self.cache.match_prefix(tokens, ns)
         self.cache.lock(m.node)
         pages = list(m.pages)
-        loaded = self.hicache.load(tokens, ns, m.num_tokens)
+        prefetched = self.prefetched.pop((ns, tuple(tokens)), None)
+        loaded = self.hicache.load(tokens, ns, m.num_tokens, prefetched=prefetched)
         pages += loaded
         keys = list(page_keys(tokens, self.ps, ns))
         if loaded:
@@ -134,6 +137,25 @@ class HiCacheMachine(RuleBasedStateMachine):
         if req is not None:
             self._cache_full(req)  # its prefill chunks are cached as they complete
             self.reqs.append(req)
+
+    @rule(tokens=token_lists, ns=namespaces)
+    def prefetch(self, tokens: list[int], ns: Hashable | None) -> None:
+        """A background read for a waiting request; the request runs later (other rules may
+        evict, load, drop or flush in between)."""
+        start = self.cache.peek_prefix_len(tokens, ns)
+        got = self.hicache.fetch(tokens, ns, start)
+        keys = list(page_keys(tokens, self.ps, ns))[start // self.ps :]
+        assert list(got) == keys[: len(got)]
+        self.prefetched[(ns, tuple(tokens))] = got
+        if got:
+            event("prefetched pages")
+
+    @precondition(lambda self: self.prefetched)
+    @rule(data=st.data())
+    def run_prefetched(self, data: st.DataObject) -> None:
+        """The request whose pages were read earlier is admitted now."""
+        ns, tokens = data.draw(st.sampled_from(sorted(self.prefetched, key=repr)))
+        self.run_request(list(tokens), ns)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -213,5 +235,5 @@ class HiCacheMachine(RuleBasedStateMachine):
         assert set(self.hicache.store.keys()) <= self.known, "the tier invented a page"
 
 
-HiCacheMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+HiCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_hicache_state_machine = HiCacheMachine.TestCase

@@ -89,6 +89,7 @@ def test_tier_hits_match_recomputation(
         assert s.hicache_hit_tokens > 0 and s.hicache_loaded_pages > 0
         assert cached >= 32  # usage counts tier hits (whole pages of the 39 usable tokens)
         assert s.hicache_load_seconds > 0
+        assert eng.parts.hicache.stats().prefetched_pages > 0  # read in the background
         _assert_no_leak(eng)
         assert eng.stats().hicache_pages == 0  # flush clears the tier too
         if storage == "file":

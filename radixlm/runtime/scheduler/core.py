@@ -134,10 +134,16 @@ class Scheduler:
 
     def has_ready_work(self) -> bool:
         """Work a step can do now: anything running, or a waiting request that is not waiting
-        for its grammar to compile (a finished compile counts: the step admits or fails it)."""
+        for its grammar to compile (a finished compile counts: the step admits or fails it) nor
+        for its pages to be read from the second tier."""
         if self.running:
             return True
-        return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
+        loads = self.pages.tier_loads
+        return any(
+            (r.grammar_future is None or r.grammar_future.done())
+            and (loads is None or not loads.pending(r))
+            for r in self.waiting
+        )
 
     # ---- scheduling ----------------------------------------------------------------------------
 
@@ -226,6 +232,8 @@ class Scheduler:
     def _admit(self, items: list[ScheduledItem], used: int) -> None:
         """Admit waiting requests in policy order while a slot, budget and pages last."""
         cfg = self.config
+        if self.pages.tier_loads is not None:
+            self.pages.tier_loads.retain(self.waiting)
         if (
             not self.waiting
             or len(self.running) >= cfg.max_running_requests

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.request import Request
+from radixlm.runtime.scheduler.tier_loads import TierLoads
 
 
 class PageManager:
@@ -20,26 +21,43 @@ class PageManager:
         self.pool = pool
         self.cache = cache
         self.hicache = hicache
+        self.tier_loads = TierLoads(hicache) if hicache is not None else None
         self.page_size = pool.page_size
 
-    def adopt_prefix(self, req: Request, reserve: int = 0) -> int:
-        """Start `req` on its longest cached prefix (locked, one ref per page); returns the
-        tokens hit. Positions whose logits give wanted prompt logprobs are never taken.
-
-        With a second tier, the pages after the pool's match that the tier holds are loaded
-        into fresh pool pages (leaving `reserve` free) and inserted into the tree: they count
-        as hit like the pool's."""
+    @staticmethod
+    def usable_prefix(req: Request) -> list[int]:
+        """The tokens a prefix hit may cover: never the last (its logits are needed), nor the
+        positions whose logits give wanted prompt logprobs."""
         usable = req.num_tokens - 1
         if req.prompt_logprob_start is not None:
             usable = min(usable, max(0, req.prompt_logprob_start - 1))
-        tokens = req.token_ids[:usable]
+        return req.token_ids[:usable]
+
+    def tier_ready(self, req: Request) -> bool:
+        """False while `req`'s pages are being read from the second tier in the background
+        (the first call starts the read): admission skips it until then."""
+        if self.tier_loads is None:
+            return True
+        tokens = self.usable_prefix(req)
+        start = self.cache.peek_prefix_len(tokens, req.namespace)
+        return self.tier_loads.ready(req, tokens, req.namespace, start)
+
+    def adopt_prefix(self, req: Request, reserve: int = 0) -> int:
+        """Start `req` on its longest cached prefix (locked, one ref per page); returns the
+        tokens hit.
+
+        With a second tier, the pages after the pool's match that the tier holds are loaded
+        into fresh pool pages (leaving `reserve` free; read in the background beforehand when
+        `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
+        tokens = self.usable_prefix(req)
         m = self.cache.match_prefix(tokens, req.namespace)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
         req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
         if self.hicache is not None:
-            loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve)
+            prefetched = self.tier_loads.take(req) if self.tier_loads is not None else None
+            loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve, prefetched)
             if loaded:
                 req.pages += loaded
                 req.num_computed_tokens += len(loaded) * self.page_size
