@@ -4,7 +4,13 @@ crash leftovers, failed writes), the manifest."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +162,42 @@ def test_manifest_separates_identities(tmp_path: Path, caplog: pytest.LogCapture
     assert a2.get(_key(1)) == b"a" * 10  # and they are still there for their model
     assert (a2.directory.parent / "manifest.json").exists()
     a2.close()
+
+
+_WRITER = """
+import sys, hashlib
+from radixlm.radix.tier import FileTierStore, identity_digest
+store = FileTierStore(sys.argv[1], 1 << 30, identity_digest({"model": "m"}))
+i = 0
+while True:
+    key = hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+    store.put(key, key * 4096)  # 64 KB, contents derived from the key
+    i += 1
+    if i == 20:
+        print("ready", flush=True)
+"""
+
+
+def test_kill_9_during_writes_never_serves_a_wrong_page(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    store = FileTierStore(tmp_path, 1 << 30, ID)
+    try:
+        keys = store.keys()
+        assert keys  # some pages made it to disk
+        for key in keys:
+            payload = store.get(key)
+            assert payload is None or payload == key * 4096
+        assert not list(tmp_path.glob("*.tmp"))
+        probe = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(5)]
+        assert all(store.get(k) in (None, k * 4096) for k in probe)
+    finally:
+        store.close()
