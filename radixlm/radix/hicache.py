@@ -83,15 +83,19 @@ class HiCache:
         self._store([(k, p) for k, p in zip(keys, victims, strict=True)])
 
     def write_back_all(self) -> int:
-        """Store every tree page the tier lacks (a clean shutdown); returns the pages stored."""
-        todo: list[tuple[bytes, int]] = []
+        """Store every tree page the tier lacks (a clean shutdown); returns the pages stored.
+
+        Deepest pages first, so that shared prefixes (system prompts) are the most recently
+        used in the tier's LRU and outlive the rest when it overflows."""
+        todo: list[tuple[int, bytes, int]] = []
         ps = self.page_size
         for ns in list(self.cache.roots()):
             memo: dict[tuple[int, ...], bytes] = {(): namespace_key(ns)}
             for prefix, page in sorted(self.cache.page_map(ns).items(), key=lambda e: len(e[0])):
                 key = memo[prefix] = next_key(memo[prefix[:-ps]], prefix[-ps:])
-                todo.append((key, page))
-        return self._store(todo)
+                todo.append((len(prefix), key, page))
+        todo.sort(key=lambda e: -e[0])
+        return self._store([(key, page) for _, key, page in todo])
 
     def _store(self, pairs: list[tuple[bytes, int]]) -> int:
         pairs = [(k, p) for k, p in pairs if not self.store.contains(k)]

@@ -356,9 +356,10 @@ class FileTierStore(TierStore):
 
     # ---- warm restart --------------------------------------------------------------------------
     def _reindex(self) -> None:
-        """Index the directory's page files from their headers, oldest first; drop leftover
-        temporary files and files whose header is not whole and ours (truncated, foreign).
-        The payload checksum is verified when a page is read."""
+        """Index the directory's page files from their headers in LRU order (file mtimes),
+        keeping the newest when they exceed the capacity; drop leftover temporary files and
+        files whose header is not whole and ours (truncated, foreign). The payload checksum is
+        verified when a page is read."""
         entries: list[tuple[float, bytes, int]] = []
         for path in self.directory.iterdir():
             if path.name.endswith(".tmp"):
@@ -379,13 +380,16 @@ class FileTierStore(TierStore):
                 _unlink(path)
                 continue
             entries.append((st.st_mtime, key, st.st_size - HEADER_BYTES))
-        entries.sort(key=lambda e: e[0])
+        entries.sort(key=lambda e: e[0], reverse=True)  # newest first: kept when over capacity
+        kept: list[tuple[bytes, int]] = []
         for _, key, size in entries:
             if self._used + size > self.capacity_bytes:
                 _unlink(self.path(key))
                 continue
-            self._index[key] = size
+            kept.append((key, size))
             self._used += size
+        for key, size in reversed(kept):  # the index is in LRU order: oldest first
+            self._index[key] = size
         if entries:
             logger.info(
                 "hicache: re-indexed %d pages (%.1f MB) under %s",

@@ -201,3 +201,19 @@ def test_kill_9_during_writes_never_serves_a_wrong_page(tmp_path: Path) -> None:
         assert all(store.get(k) in (None, k * 4096) for k in probe)
     finally:
         store.close()
+
+
+def test_reindex_keeps_the_newest_pages_within_a_smaller_capacity(tmp_path: Path) -> None:
+    store = FileTierStore(tmp_path, 1000, ID)
+    for i in range(4):
+        store.put(_key(i), bytes([i]) * 20)
+    store.close()
+    for i in range(4):
+        os.utime(store.path(_key(i)), (1000.0 + i, 1000.0 + i))
+    small = FileTierStore(tmp_path, 40, ID)
+    try:
+        assert small.keys() == [_key(2), _key(3)]  # LRU order: oldest first
+        assert not small.path(_key(0)).exists()
+        small.check_integrity()
+    finally:
+        small.close()
