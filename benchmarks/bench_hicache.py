@@ -79,6 +79,7 @@ class SystemResult:
     completed: int
     failed: int
     wall_s: float
+    tier: dict[str, Any] | None = None  # radixlm's engine_stats.hicache_* after the trace
     restart_cached_tokens: int | None = None
     restart_prompt_tokens: int | None = None
     restart_ttft: float | None = None
@@ -170,6 +171,12 @@ async def one(url: str, prompt: list[int], args: argparse.Namespace) -> RequestR
         return await stream_request(http, "/v1/completions", _body(prompt, args))
 
 
+def tier_stats(url: str) -> dict[str, Any]:
+    """The tier's counters from `/get_server_info` (pages, bytes, hit tokens, load seconds)."""
+    stats = httpx.get(f"{url}/get_server_info", timeout=60).json()["engine_stats"]
+    return {k: v for k, v in stats.items() if k.startswith("hicache_")}
+
+
 def spec_for(system: str, args: argparse.Namespace, port: int, num_pages: int, store: Path) -> (
     ServerSpec
 ):  # fmt: skip
@@ -196,7 +203,9 @@ def run_system(
         spec = spec_for(system, args, port, num_pages, store)
         with running_server(spec, port, logs / f"{system}.log") as url:
             results, wall = asyncio.run(run_trace(url, trace, args))
+            tier = tier_stats(url) if system == "radixlm-tier" else None
         res = summarize(system, results, wall)
+        res.tier = tier
         if system == "radixlm-tier":  # warm restart over the same directory
             port = _free_port()
             spec = spec_for(system, args, port, num_pages, store)
@@ -282,6 +291,13 @@ def main() -> None:
         print(json.dumps(asdict(res)), flush=True)
     print(table(results))
     for r in results:
+        if r.tier:
+            t = r.tier
+            print(
+                f"{r.system} tier: {t['hicache_pages']} pages ({t['hicache_bytes'] / 1e6:.1f} MB), "
+                f"{t['hicache_hit_tokens']} hit tokens, {t['hicache_loaded_pages']} pages loaded "
+                f"in {t['hicache_load_seconds']:.3f} s"
+            )
         if r.restart_cached_tokens is not None:
             print(
                 f"{r.system} after a restart: {r.restart_cached_tokens} of "
