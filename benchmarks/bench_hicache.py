@@ -18,6 +18,11 @@ replies in the trace are synthetic (greedy outputs are not fed back) so every sy
 same prompts. `--concurrency` clients send in trace order; a user's next turn waits for the
 previous one.
 
+`--codec-only` measures only the tier's data path, no server: the page codec (pool pages <->
+bytes) and the file store's write / read+verify bandwidth in GB/s for a KV layout
+(`--layout smollm2` or `llama3-8b`, `--device cpu` or `cuda`: the host-memory tier under a CUDA
+pool) over `--codec-tokens` tokens (a returning conversation).
+
 Reported per system: TTFT p50 / p99 of returning turns (turn >= 1) and of first turns, output
 tok/s over the whole trace, and the share of returning-turn prompt tokens reported cached. For
 `radixlm-tier` a warm restart follows: the server is stopped and started again over the same
@@ -237,6 +242,63 @@ def table(results: list[SystemResult]) -> str:
     return "\n".join(rows)
 
 
+# KV layouts: layers, KV heads, head dim
+LAYOUTS = {"smollm2": (30, 3, 64), "llama3-8b": (32, 8, 128)}
+
+
+def bench_codec(args: argparse.Namespace) -> dict[str, float]:
+    """GB/s of the tier's data path for one conversation of `--codec-tokens` tokens."""
+    import torch
+
+    from radixlm.kernels.forward_batch import KVCache
+    from radixlm.radix.tier import FileTierStore, HostTierStore, identity_digest
+    from radixlm.runtime.hicache_io import KVPageIO
+
+    layers, heads, dim = LAYOUTS[args.layout]
+    n = math.ceil(args.codec_tokens / PAGE)
+    kv = KVCache.allocate(layers, 2 * n, PAGE, heads, dim, torch.bfloat16, args.device)
+    for b in (*kv.k_buffers, *kv.v_buffers):
+        b.normal_()
+    io = KVPageIO(kv)
+    gb = n * io.page_bytes / 1e9
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
+    def timed(fn: Any) -> float:
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    out: dict[str, float] = {"gb": gb}
+    payloads: list[bytes] = []
+    out["pool_to_bytes_gbps"] = gb / timed(lambda: payloads.extend(io.read_pages(range(n))))
+    out["bytes_to_pool_gbps"] = gb / timed(lambda: io.write_pages(range(n, 2 * n), payloads))
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    host = HostTierStore(2 * n * io.page_bytes)
+    for k, p in zip(keys, payloads, strict=True):
+        host.put(k, p)
+    t_load = timed(lambda: io.write_pages(range(n, 2 * n), [host.get(k) for k in keys]))
+    out["host_tier_load_gbps"] = gb / t_load
+    tmp = Path(tempfile.mkdtemp(prefix="bench-hicache-codec-"))
+    try:
+        store = FileTierStore(tmp, 2 * n * io.page_bytes, identity_digest({"bench": 1}))
+
+        def write_all() -> None:
+            for k, p in zip(keys, payloads, strict=True):
+                store.put(k, p)
+            store.wait_writes()
+
+        out["file_write_fsync_gbps"] = gb / timed(write_all)
+        store.close()
+        again = FileTierStore(tmp, 2 * n * io.page_bytes, identity_digest({"bench": 1}))
+        out["file_read_verify_gbps"] = gb / timed(lambda: [again.get(k) for k in keys])
+        again.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     from radixlm.runtime.models.loader import cache_dir
 
@@ -256,11 +318,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--codec-only", action="store_true", help="the tier's data path only")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="smollm2")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--codec-tokens", type=int, default=2048)
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.codec_only:
+        print(f"cpu: {cpu_description()}")
+        print(f"load average before: {_loadavg()}")
+        res = bench_codec(args)
+        print(
+            f"{args.layout} bf16 on {args.device}, {args.codec_tokens} tokens ({res['gb']:.3f} GB):"
+        )
+        for k, v in res.items():
+            if k != "gb":
+                print(f"  {k}: {v:.2f}")
+        print(f"load average after: {_loadavg()}")
+        return
     from radixlm.runtime.models.loader import cache_dir, resolve_model_path
 
     args.model_dir = args.model_dir or resolve_model_path(None)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from radixlm.config import CacheConfig
@@ -55,23 +56,28 @@ class KVPageIO:
         if not pages:
             return []
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-        data = torch.stack([b.index_select(0, idx) for b in self._paged()], dim=1)
-        raw = data.cpu().view(torch.uint8).reshape(len(pages), -1).numpy()  # [P, page bytes]
+        out = torch.empty((len(pages), *self.page_shape), dtype=self.dtype, device=self.device)
+        for i, buf in enumerate(self._paged()):
+            out[:, i] = buf.index_select(0, idx)  # [P, ps, H, D]
+        raw = out.cpu().view(torch.uint8).reshape(len(pages), -1).numpy()  # [P, page bytes]
         return [row.tobytes() for row in raw]
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Two copies: the payloads into one host tensor, then each buffer's rows in place."""
         if not pages:
             return
+        pb = self.page_bytes
         for p in payloads:
-            if len(p) != self.page_bytes:
-                raise ValueError(f"page payload of {len(p)} bytes, expected {self.page_bytes}")
-        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
-        # [P, 2L, ps, H, D] -> [2L, P, ps, H, D]: one contiguous block per buffer
-        data = raw.view(self.dtype).reshape(len(pages), *self.page_shape).transpose(0, 1)
-        data = data.contiguous().to(self.device)
+            if len(p) != pb:
+                raise ValueError(f"page payload of {len(p)} bytes, expected {pb}")
+        host = torch.empty(len(pages) * pb, dtype=torch.uint8)
+        arr = host.numpy()
+        for i, p in enumerate(payloads):
+            arr[i * pb : (i + 1) * pb] = np.frombuffer(p, np.uint8)
+        data = host.view(self.dtype).view(len(pages), *self.page_shape).to(self.device)
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         for i, buf in enumerate(self._paged()):
-            buf.index_copy_(0, idx, data[i])
+            buf.index_copy_(0, idx, data[:, i])  # [P, ps, H, D] strided source
 
 
 def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
