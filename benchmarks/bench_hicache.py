@@ -1,8 +1,10 @@
 """Multi-turn conversations that outlive the KV pool: radixlm with its second KV tier
-(`--hicache-storage-dir`, page files), without it (recomputation), and optionally vLLM's CPU
+(`--hicache-storage-dir`, page files; `radixlm-tier` write-back, `radixlm-tier-wt`
+write-through), without it (recomputation), and optionally vLLM's CPU
 build with prefix caching, on one generated trace; then a warm restart.
 
-    .venv/bin/python benchmarks/bench_hicache.py [--systems radixlm-tier,radixlm,vllm]
+    .venv/bin/python benchmarks/bench_hicache.py
+        [--systems radixlm-tier,radixlm-tier-wt,radixlm,vllm]
         [--conversations 48] [--turns 4] [--system-prompts 4] [--system-tokens 1024]
         [--turn-tokens 300] [--output-tokens 64] [--concurrency 4] [--pool-fraction 0.1]
         [--hicache-size 4] [--threads 2] [--out benchmarks/results/hicache.json]
@@ -25,7 +27,7 @@ pool) over `--codec-tokens` tokens (a returning conversation).
 
 Reported per system: TTFT p50 / p99 of returning turns (turn >= 1) and of first turns, output
 tok/s over the whole trace, and the share of returning-turn prompt tokens reported cached. For
-`radixlm-tier` a warm restart follows: the server is stopped and started again over the same
+the tier systems a warm restart follows: the server is stopped and started again over the same
 storage directory, and one new conversation on a known system prompt reports its cached tokens
 and TTFT. Prints the CPU (flags) and the load average before and after; asserts nothing.
 """
@@ -60,7 +62,7 @@ from bench_peers import (  # noqa: E402
 )
 from serving import RequestResult, _free_port, percentile, stream_request  # noqa: E402
 
-SYSTEMS = ("radixlm-tier", "radixlm", "vllm")
+SYSTEMS = ("radixlm-tier", "radixlm-tier-wt", "radixlm", "vllm")
 PAGE = 16  # tokens per KV page / block, both servers
 TOKEN_RANGE = (1000, 40000)  # plain word-piece ids of the default model's vocabulary
 
@@ -188,8 +190,10 @@ def spec_for(system: str, args: argparse.Namespace, port: int, num_pages: int, s
     pool = ["--num-pages", str(num_pages), "--page-size", str(PAGE)]
     if system == "radixlm":
         return radixlm_spec(port, args.model_dir, args.threads, pool)
-    if system == "radixlm-tier":
+    if system.startswith("radixlm-tier"):
         tier = ["--hicache-storage-dir", str(store), "--hicache-size", str(args.hicache_size)]
+        if system == "radixlm-tier-wt":
+            tier += ["--hicache-write-policy", "write_through"]
         spec = radixlm_spec(port, args.model_dir, args.threads, [*pool, *tier])
         return ServerSpec(system, spec.cmd, spec.env, spec.ready_timeout_s)
     venv = ensure_vllm_venv(args.vllm_venv)
@@ -208,10 +212,10 @@ def run_system(
         spec = spec_for(system, args, port, num_pages, store)
         with running_server(spec, port, logs / f"{system}.log") as url:
             results, wall = asyncio.run(run_trace(url, trace, args))
-            tier = tier_stats(url) if system == "radixlm-tier" else None
+            tier = tier_stats(url) if system.startswith("radixlm-tier") else None
         res = summarize(system, results, wall)
         res.tier = tier
-        if system == "radixlm-tier":  # warm restart over the same directory
+        if system.startswith("radixlm-tier"):  # warm restart over the same directory
             port = _free_port()
             spec = spec_for(system, args, port, num_pages, store)
             with running_server(spec, port, logs / f"{system}-restart.log") as url:

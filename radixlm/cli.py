@@ -44,7 +44,9 @@ _HELP = {
     "enable_prefix_caching": "share KV pages across requests by prefix (radix cache)",
     "enable_hierarchical_cache": "a second KV tier under the radix cache: pages evicted from "
     "the pool go to host memory (or --hicache-storage-dir) and load back on a prefix match",
-    "hicache_size": "the second tier's size in GB",
+    "hicache_size": "the second tier's size in GB (2^30 bytes)",
+    "hicache_write_policy": "write_back (pages go to the tier when evicted from the pool, and at "
+    "shutdown) | write_through (also as soon as they are cached: survives a crash)",
     "hicache_storage_dir": "keep the second tier in page files under this directory (turns "
     "the tier on; a restarted server finds its earlier prefixes there)",
     "max_running_requests": "most requests decoding at once",

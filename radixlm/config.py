@@ -13,6 +13,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
 # offered one that does: 128 does not divide SmolLM2's 576).
 INT4_GROUP_SIZES = (32, 64, 128)
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class CacheConfig:
     enable_hierarchical_cache: bool = False
     hicache_size: float = 4.0
     hicache_storage_dir: str | None = None
+    # "write_back": a page goes to the tier when it is evicted from the pool (and at a clean
+    # shutdown); "write_through": also as soon as it is cached in the tree (a copy per computed
+    # page on the loop thread; a crash then loses nothing the tier could have kept).
+    hicache_write_policy: str = "write_back"
 
     @property
     def hicache_enabled(self) -> bool:
@@ -45,6 +50,11 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if not self.hicache_size > 0:
             raise ConfigError(f"hicache_size must be > 0 (GB), got {self.hicache_size}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ConfigError(
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                f"got {self.hicache_write_policy!r}"
+            )
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:

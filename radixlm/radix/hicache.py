@@ -58,8 +58,16 @@ class HiCacheStats:
 
 
 class HiCache:
-    def __init__(self, cache: RadixCache, store: TierStore, io: PageIO, storage: str = "host"):
+    def __init__(
+        self,
+        cache: RadixCache,
+        store: TierStore,
+        io: PageIO,
+        storage: str = "host",
+        write_through: bool = False,
+    ) -> None:
         self.cache = cache
+        self.write_through = write_through
         self.pool = cache.pool
         self.page_size = cache.page_size
         self.store = store
@@ -81,6 +89,14 @@ class HiCache:
         """``prefix`` ends with the ``victims``' tokens: store the pages the tier lacks."""
         keys = list(page_keys(prefix, self.page_size, namespace))[-len(victims) :]
         self._store([(k, p) for k, p in zip(keys, victims, strict=True)])
+
+    def on_cached(
+        self, namespace: Hashable | None, tokens: Sequence[int], pages: Sequence[int]
+    ) -> int:
+        """Write-through: ``pages`` (whole, in the tree) hold ``tokens``; store those the tier
+        lacks. Returns the pages stored."""
+        keys = page_keys(tokens, self.page_size, namespace)
+        return self._store(list(zip(keys, pages, strict=True)))
 
     def write_back_all(self) -> int:
         """Store every tree page the tier lacks (a clean shutdown); returns the pages stored.

@@ -130,7 +130,8 @@ def make_hicache(
         store = open_file_store(config.hicache_storage_dir, identity, capacity, rank=0)
         where = str(store.directory)
     logger.info(
-        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB)",
+        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB), %s",
         where, config.hicache_size, capacity // io.page_bytes, io.page_bytes / 1024,
+        config.hicache_write_policy,
     )  # fmt: skip
-    return HiCache(cache, store, io, where)
+    return HiCache(cache, store, io, where, config.hicache_write_policy == "write_through")

@@ -59,15 +59,19 @@ class HiCacheMachine(RuleBasedStateMachine):
         num_pages=st.integers(4, 16),
         tier_pages=st.integers(1, 12),
         storage=st.sampled_from(["host", "file"]),
+        write_through=st.booleans(),
     )
-    def setup(self, page_size: int, num_pages: int, tier_pages: int, storage: str) -> None:
+    def setup(
+        self, page_size: int, num_pages: int, tier_pages: int, storage: str, write_through: bool
+    ) -> None:
         self.ps = page_size
         self.pool = BlockPool(num_pages, page_size)
         self.cache = RadixCache(self.pool)
         self.io = FakeIO(num_pages)
         self.capacity = tier_pages * 16  # a page's contents: a 16-byte key
         self.dir = tempfile.mkdtemp(prefix="hicache-sm-") if storage == "file" else None
-        self.hicache = HiCache(self.cache, self._new_store(), self.io)
+        self.write_through = write_through
+        self.hicache = HiCache(self.cache, self._new_store(), self.io, "", write_through)
         self.reqs: list[Req] = []
         self.known: set[bytes] = set()  # keys of every page ever computed
         self.corrupted: set[bytes] = set()  # keys whose file a rule damaged
@@ -119,9 +123,10 @@ class HiCacheMachine(RuleBasedStateMachine):
         n = len(req.tokens) // self.ps
         n = min(n, len(req.pages))
         if n:
-            req.pages[:n] = self.cache.insert_and_adopt(
-                req.tokens[: n * self.ps], req.pages[:n], req.ns
-            )
+            tokens = req.tokens[: n * self.ps]
+            req.pages[:n] = self.cache.insert_and_adopt(tokens, req.pages[:n], req.ns)
+            if self.write_through:  # as PageManager.cache_computed does
+                self.hicache.on_cached(req.ns, tokens, req.pages[:n])
 
     # ------------------------------------------------------------------ rules
     @rule(tokens=token_lists, ns=namespaces)
@@ -194,7 +199,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         """A new store over the same directory (a restarted server) under the same tree."""
         self.hicache.close()
         before = set(self.hicache.store.keys())
-        self.hicache = HiCache(self.cache, self._new_store(), self.io, self.dir or "")
+        self.hicache = HiCache(
+            self.cache, self._new_store(), self.io, self.dir or "", self.write_through
+        )
         after = set(self.hicache.store.keys())
         assert before - self.corrupted <= after <= before  # a damaged header is dropped
         self.corrupted &= after

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from radixlm import Engine, SamplingParams
+from radixlm.radix import HiCache
 from radixlm.radix import tier as tier_mod
 from radixlm.runtime.errors import ConfigError
 
@@ -187,3 +188,26 @@ def test_full_disk_keeps_serving_and_logs_once(
 def test_tensor_parallel_is_refused(tiny_llama_dir: Path) -> None:
     with pytest.raises(ConfigError, match="tp_size"):
         Engine(str(tiny_llama_dir), tp_size=2, enable_hierarchical_cache=True)
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_write_through_survives_a_crash(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    reference: list[Out],
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+) -> None:
+    """No write-back at shutdown (as after a kill -9): only write-through kept the pages."""
+    monkeypatch.setattr(HiCache, "write_back_all", lambda self: 0)
+    store = str(tmp_path / "tier")
+    prompt = _prompts()[0]
+    kw = {"hicache_storage_dir": store, "hicache_write_policy": policy}
+    with _engine(tiny_llama_dir, **kw) as eng:
+        _run(eng, prompt)
+        assert (eng.stats().hicache_stored_pages > 0) == (policy == "write_through")
+    with _engine(tiny_llama_dir, **kw) as eng:
+        out, cached = _run(eng, prompt)
+        assert _same(out, reference[0])
+        assert cached == (36 if policy == "write_through" else 0)
+        _assert_no_leak(eng)

@@ -108,12 +108,13 @@ class PageManager:
         num_full = req.num_computed_tokens // self.page_size
         if num_full == 0 or not self.cache.enabled:
             return
-        full = self.cache.insert_and_adopt(
-            req.token_ids[: num_full * self.page_size], req.pages[:num_full], req.namespace
-        )
+        tokens = req.token_ids[: num_full * self.page_size]
+        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace)
         if full != req.pages[:num_full]:
             req.pages[:num_full] = full
             req.page_gen += 1
+        if self.hicache is not None and self.hicache.write_through:
+            self.hicache.on_cached(req.namespace, tokens, full)
 
     def share_prefix(self, parent: Request, child: Request, dst: int | None) -> None:
         """A forked branch takes one ref on its parent's computed full pages, then its own copy
