@@ -119,6 +119,8 @@ def make_hicache(
     """The second tier, or None when it is off (``EngineConfig`` refuses it with tensor
     parallel)."""
     if not config.hicache_enabled:
+        if config.enable_hierarchical_cache or config.hicache_storage_dir is not None:
+            logger.warning("hicache: the second KV tier needs the prefix cache; it stays off")
         return None
     io = KVPageIO(kv)
     capacity = int(config.hicache_size * GB)

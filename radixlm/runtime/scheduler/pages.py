@@ -1,10 +1,12 @@
-"""KV pages of requests: allocation (evicting cache leaves when short), release, and caching
-computed full pages in the radix tree.
+"""KV pages of requests: allocation (evicting cache leaves when short), release, caching
+computed full pages in the radix tree, and (with a second tier) loading a prefix's tier pages.
 
 NOTE: invariants kept here
 - A request's `pages` are exactly the pages it holds one ref on; the full ones it shares with the
   tree form a root path, so releasing is one `pool.decref(req.pages)`.
 - Only full pages are inserted into the tree; the partial last page stays private.
+- Pages loaded from the second tier enter the tree at once, like computed ones; with
+  write-through, every page the tree adopts is stored in the tier.
 - `req.page_gen` is bumped whenever `pages` changes other than by appending (the executor's page
   table rewrites the row then).
 """
