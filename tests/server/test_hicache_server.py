@@ -60,3 +60,23 @@ def test_tier_on_metrics_info_dashboard_and_flush(tiny_llama_dir: Path, tmp_path
     assert out["flushed"]["success"]
     assert out["after"]["engine_stats"]["hicache_pages"] == 0
     assert out["after"]["engine_stats"]["kv_pages_free"] == 16
+
+
+def test_hicache_flags_and_one_directory_per_replica(monkeypatch) -> None:  # noqa: ANN001
+    import radixlm.cli as cli
+    from radixlm.cli import main as cli_main
+    from radixlm.server.data_parallel import replica_argv, replica_engine_kwargs
+    from radixlm.server.server_config import ServerConfig
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(cli, "_serve", lambda args: seen.update(cli.engine_kwargs(args)) or 0)
+    argv = ["serve", "--enable-hierarchical-cache", "--hicache-size", "0.5"]
+    argv += ["--hicache-storage-dir", "/tmp/kv", "--hicache-write-policy", "write_through"]
+    assert cli_main(argv) == 0
+    assert seen["enable_hierarchical_cache"] is True and seen["hicache_size"] == 0.5
+    assert seen["hicache_storage_dir"] == "/tmp/kv"
+    assert seen["hicache_write_policy"] == "write_through"
+
+    args = replica_argv(replica_engine_kwargs(seen, 1), ServerConfig(), 1234)
+    assert args[args.index("--hicache-storage-dir") + 1] == "/tmp/kv/dp1"
+    assert replica_engine_kwargs({"hicache_storage_dir": None}, 0) == {"hicache_storage_dir": None}
