@@ -24,6 +24,11 @@ from radixlm.runtime.request import Request
 
 logger = logging.getLogger(__name__)
 
+# Reads held at once (in flight, or done and not yet taken): their payloads sit in memory, a
+# whole conversation each. Past it, a request waits for a slot while a read is in flight, and
+# reads its pages synchronously when none is (so that nothing waits on a wake that never comes).
+MAX_READS = 4
+
 
 class TierLoads:
     def __init__(self, hicache: HiCache) -> None:
@@ -42,6 +47,8 @@ class TierLoads:
             return entry[1].done()
         if not self.hicache.has_next(tokens, namespace, start):
             return True
+        if len(self._fetches) >= MAX_READS:
+            return not self._in_flight()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
         fut = self._pool.submit(self.hicache.fetch, list(tokens), namespace, start)
@@ -52,9 +59,15 @@ class TierLoads:
         return False
 
     def pending(self, req: Request) -> bool:
-        """A read for `req` is under way."""
+        """`req` waits for a read: its own, or a slot while all are held and one is in flight
+        (whose end wakes the loop)."""
         entry = self._fetches.get(id(req))
-        return entry is not None and entry[0] is req and not entry[1].done()
+        if entry is not None and entry[0] is req:
+            return not entry[1].done()
+        return len(self._fetches) >= MAX_READS and self._in_flight()
+
+    def _in_flight(self) -> bool:
+        return any(not fut.done() for _, fut in self._fetches.values())
 
     def take(self, req: Request) -> dict[bytes, bytes] | None:
         """The finished read's payloads by key (None: no read, or it failed)."""
