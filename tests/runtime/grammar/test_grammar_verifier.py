@@ -219,3 +219,20 @@ def test_suite_files_of_the_verified_keywords(backend: str, name: str) -> None:
     if backend != "outlines":  # outlines refuses these files' schemas for other reasons
         assert verified > 0, f"no schema of {name}.json needed the verifier"
     assert valid_accepted >= valid // 2, (valid_accepted, valid)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_check_token_refuses_a_token_whose_forced_continuation_is_refused(backend: str) -> None:
+    """One step ahead: ``0`` where the grammar then forces ``}`` (or allows only EOS) and the
+    schema refuses 0 is refused at ``0``, not left a dead end at the next step."""
+    grammar_backend = get_backend(backend)(BYTE_VOCAB)
+    obj = {"type": "object", "additionalProperties": False, "required": ["n"],
+           "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9,
+                                "not": {"enum": [0, 1]}}}}  # fmt: skip
+    for schema, prefix in ((obj, b'{"n":'), (obj["properties"]["n"], b"")):
+        m = grammar_backend.compile(Constraint.from_params(json_schema=schema)).new_matcher()
+        assert m.accept_tokens(list(prefix))
+        refused = {chr(t) for t in b"0123456789" if m.check_token(t) is not None}
+        assert refused == {"0", "1"}, (schema, refused)
+        assert m.num_accepted == len(prefix)  # checking changed nothing
+        assert m.accept_token(ord("0"))  # its own bytes complete nothing: accepted
