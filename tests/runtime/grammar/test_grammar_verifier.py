@@ -236,3 +236,57 @@ def test_check_token_refuses_a_token_whose_forced_continuation_is_refused(backen
         assert refused == {"0", "1"}, (schema, refused)
         assert m.num_accepted == len(prefix)  # checking changed nothing
         assert m.accept_token(ord("0"))  # its own bytes complete nothing: accepted
+
+
+def _chain(depth: int) -> Any:
+    """``{"a": {"a": ... {}}}`` with the empty object ``depth`` levels down."""
+    value: Any = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+# Depth counters intersected: a chain of "a" whose empty object lies at a depth d with
+# d % 2 == 1 and d % 3 == 2 (d = 5, 11, 17, ...), d = 5 excluded by ``not``. The backends cannot
+# intersect recursive references; normalization unrolls them to a depth, then the verifier.
+MOD6 = {
+    "allOf": [{"$ref": "#/$defs/word"}, {"$ref": "#/$defs/x0"}, {"$ref": "#/$defs/y0"},
+              {"not": {"const": _chain(5)}}],
+    "$defs": {
+        "word": {"type": "object", "properties": {"a": {"$ref": "#/$defs/word"}},
+                 "additionalProperties": False},
+        "x0": {"additionalProperties": {"$ref": "#/$defs/x1"}, "minProperties": 1},
+        "x1": {"additionalProperties": {"$ref": "#/$defs/x0"}},
+        "y0": {"additionalProperties": {"$ref": "#/$defs/y1"}, "minProperties": 1},
+        "y1": {"additionalProperties": {"$ref": "#/$defs/y2"}, "minProperties": 1},
+        "y2": {"additionalProperties": {"$ref": "#/$defs/y0"}},
+    },
+}  # fmt: skip
+# Several patterns on one string through $ref, and a long minLength beside them.
+REF_PATTERNS = {
+    "allOf": [{"$ref": "#/$defs/p0"}, {"$ref": "#/$defs/p1"}],
+    "minLength": 70,
+    "$defs": {"p0": {"pattern": "^([a-z][0-9])+$"}, "p1": {"pattern": "(t8){3}$"}},
+}
+
+
+def test_conjunctions_the_backends_cannot_intersect_go_to_the_verifier() -> None:
+    """Depth-unrolled recursive ``allOf`` and patterns behind ``$ref``: llguidance compiles the
+    relaxation; grammar + verifier accept exactly what ``jsonschema`` validates."""
+    grammar_backend = get_backend("llguidance")(BYTE_VOCAB)
+    strings = ["a1" * 32 + "t8t8t8", "a1" * 36, "a1" * 10 + "t8t8t8", "b2" * 40 + "t8" * 3]
+    groups = [(MOD6, [_chain(d) for d in range(0, 48)]), (REF_PATTERNS, strings)]
+    for schema, instances in groups:
+        c = Constraint.from_params(json_schema=schema)
+        assert c is not None
+        grammar_backend.validate(c)
+        compiled = grammar_backend.compile(c)
+        assert isinstance(compiled, VerifiedGrammar)
+        validator = jsonschema.Draft202012Validator(schema)
+        accepted = 0
+        for value in instances:
+            text = json.dumps(value, separators=(",", ":"))
+            ok = grammar_accepts(compiled.new_matcher(), text)
+            assert ok == validator.is_valid(value), text[:80]
+            accepted += ok
+        assert accepted >= 2  # chains of depth 11, 17, ...; two of the strings
