@@ -54,6 +54,15 @@ def engine(default_model_dir: Path) -> Iterator[Engine]:
     e.shutdown()
 
 
+def _stopped(r: Any) -> bool:
+    """The generation finished with "stop" (else "length", or a dead end: the exact schema
+    refused every continuation; never another error)."""
+    assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
+    if r.finish_reason == "error":
+        assert r.outputs[0].error_code == "grammar_dead_end", r.error
+    return r.finish_reason == "stop"
+
+
 @settings(
     max_examples=6,
     deadline=None,
@@ -69,11 +78,7 @@ def test_outputs_of_verified_schemas_validate(
     params = SamplingParams(max_new_tokens=96, temperature=1.0, seed=seed,
                             constraint={"json_schema": schema})  # fmt: skip
     [r] = engine.generate([prompt], [params])
-    assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
-    if r.finish_reason == "error":  # a dead end: the exact schema refuses every continuation
-        assert r.outputs[0].error_code == "grammar_dead_end", r.error
-        return
-    if r.finish_reason == "stop":
+    if _stopped(r):
         value = json.loads(r.text)
         jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(value)
 
@@ -97,11 +102,7 @@ def test_tool_arguments_of_verified_schemas_validate(
     params = SamplingParams(max_new_tokens=128, temperature=1.0, seed=seed,
                             constraint={"tool_calls": spec})  # fmt: skip
     [r] = engine.generate([prompt], [params])
-    assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
-    if r.finish_reason == "error":
-        assert r.outputs[0].error_code == "grammar_dead_end", r.error
-        return
-    if r.finish_reason == "stop":
+    if _stopped(r):
         [call] = parse_tool_calls(r.text).calls
         assert call.name == "record"
         jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(call.args)
