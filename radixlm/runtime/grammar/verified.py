@@ -52,6 +52,9 @@ class Tracker(Protocol):
     def start(self) -> Any: ...
     def feed(self, state: Any, data: bytes) -> Any: ...
     def end(self, state: Any) -> Any: ...
+    def inert(self, state: Any, data: bytes) -> bool:
+        """``feed(state, data)`` surely refuses nothing (a cheap test; False: feed it)."""
+        ...
 
 
 class JsonTracker:
@@ -69,6 +72,9 @@ class JsonTracker:
 
     def end(self, state: ScanState) -> ScanState | str:
         return finish(state, self.verifier, self.verifier.root)
+
+    def inert(self, state: ScanState, data: bytes) -> bool:
+        return _inert(state, data)
 
 
 @dataclass(frozen=True)
@@ -117,12 +123,32 @@ class ToolCallsTracker:
                 head, scan = None, ScanState()
         return CallsState(tail, head, scan, pending)
 
+    def inert(self, state: CallsState, data: bytes) -> bool:
+        return state.head is not None and _inert(state.scan, data)
+
     def end(self, state: CallsState) -> CallsState | str:
         if state.head is None:
             return state
         v = self.verifiers[state.head]
         out = finish(state.scan, v, v.root)
         return out if isinstance(out, str) else replace(state, scan=out)
+
+
+_NUMBER_BYTES = frozenset(b"0123456789+-.eE")
+
+
+def _inert(state: ScanState, data: bytes) -> bool:
+    """Scanning ``data`` from ``state`` completes nothing and checks no prefix: inside an open
+    string without prefix checks and no quote in ``data`` (an escaped one included, to keep it
+    simple), inside a number that ``data`` continues, inside a literal's forced letters."""
+    sc = state.scalar
+    if sc is None:
+        return False
+    if sc.kind == "string":
+        return not sc.prefix_check and b'"' not in data
+    if sc.kind == "number":
+        return all(b in _NUMBER_BYTES for b in data)
+    return len(data) <= sc.left
 
 
 class VerifiedMatcher(GrammarMatcher):
@@ -165,6 +191,8 @@ class VerifiedMatcher(GrammarMatcher):
         try:
             forced = inner.forced_bytes()
             if forced:
+                if self.tracker.inert(state, forced):
+                    return None
                 after = self.tracker.feed(state, forced)
                 return after if isinstance(after, str) else None
             if inner.is_completed():

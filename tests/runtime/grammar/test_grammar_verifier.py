@@ -236,6 +236,11 @@ def test_check_token_refuses_a_token_whose_forced_continuation_is_refused(backen
         assert refused == {"0", "1"}, (schema, refused)
         assert m.num_accepted == len(prefix)  # checking changed nothing
         assert m.accept_token(ord("0"))  # its own bytes complete nothing: accepted
+    # inside a string: after "x the grammar forces a" and the quote completes a refused value
+    text = {"type": "string", "pattern": "^(xa|yb)$", "not": {"pattern": "^x"}}
+    m = grammar_backend.compile(Constraint.from_params(json_schema=text)).new_matcher()
+    assert m.accept_token(ord('"'))
+    assert m.check_token(ord("x")) == "not" and m.check_token(ord("y")) is None
 
 
 def _chain(depth: int) -> Any:
