@@ -159,6 +159,15 @@ def test_auto_mode_checks_only_the_arguments(backend: str) -> None:
     assert not grammar_accepts(compiled.new_matcher(), text + format_tool_call("f", '{"x":[2,2]}'))
 
 
+def test_arguments_with_whitespace_are_checked() -> None:
+    grammar_backend = get_backend("llguidance")(BYTE_VOCAB)
+    c = Constraint("tool_calls", _spec("auto", True, f=UNIQUE_ARGS), whitespace="any")
+    compiled = grammar_backend.compile(c)
+    ok = format_tool_call("f", '{ "x" : [ 0 , 1 ] }')
+    assert grammar_accepts(compiled.new_matcher(), "ok " + ok + " done")
+    assert not grammar_accepts(compiled.new_matcher(), format_tool_call("f", '{ "x" : [ 0 , 0 ] }'))
+
+
 _ITEMS = st.lists(st.integers(min_value=0, max_value=3), max_size=3)
 
 
