@@ -24,6 +24,10 @@ JSON, in its own key order and in the schema's property order): an invalid insta
 ``jsonschema``) that the grammar accepts is counted as ``invalid_accepted`` (must be 0); valid
 ones accepted are reported (over-strictness).
 
+With ``--as-tool`` each schema is compiled as the ``parameters`` of one tool (a ``tool_calls``
+constraint, required mode) and its instances are walked as that tool's call: the tool path's
+coverage, through the same normalization, relaxation and verifier.
+
 Per schema, in a worker process per backend on the default model's tokenizer (restarted when
 a compile passes ``--timeout`` seconds, which counts as refused): ``Constraint.from_params``,
 ``backend.validate`` (metaschema + strict-mode check; the refusal reason is its first named
@@ -126,9 +130,14 @@ def _walk_bytes(compiled: Any, text: str) -> bool | None:
     return m.is_completed()
 
 
-def check_instances(compiled: Any, schema: Any, tests: list[dict[str, Any]]) -> list[int]:
-    """[valid, valid accepted, invalid, invalid accepted] over ``tests``."""
+def check_instances(
+    compiled: Any, schema: Any, tests: list[dict[str, Any]], as_tool: bool = False
+) -> list[int]:
+    """[valid, valid accepted, invalid, invalid accepted] over ``tests`` (``as_tool``: each
+    instance as the arguments of one call of tool ``f``)."""
     import jsonschema
+
+    from radixlm.tool_calls import format_tool_call
 
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     validator = cls(schema)
@@ -142,7 +151,7 @@ def check_instances(compiled: Any, schema: Any, tests: list[dict[str, Any]]) -> 
             continue
         texts = {json.dumps(v, separators=(",", ":"), ensure_ascii=False)
                  for v in (data, _reordered(data, order))}  # fmt: skip
-        walks = [_walk_bytes(compiled, t) for t in texts]
+        walks = [_walk_bytes(compiled, format_tool_call("f", t) if as_tool else t) for t in texts]
         if None in walks:
             continue
         accepted = any(walks)
@@ -167,7 +176,7 @@ def _reason(message: str) -> str:
     return message.split(":")[0][:60]
 
 
-def _worker(conn: Connection, backend_name: str) -> None:
+def _worker(conn: Connection, backend_name: str, as_tool: bool) -> None:
     from radixlm.runtime.grammar.base import get_backend
     from radixlm.runtime.grammar.constraint import Constraint
     from radixlm.runtime.grammar.errors import GrammarError
@@ -185,8 +194,12 @@ def _worker(conn: Connection, backend_name: str) -> None:
         text, tests = request
         start = time.perf_counter()
         try:
-            c = Constraint.from_params(json_schema=text)
-        except GrammarError as exc:
+            if as_tool:  # the schema as a tool's parameters: the tool_calls path
+                tool = {"name": "f", "parameters": json.loads(text)}
+                c = Constraint.from_params(tool_calls={"mode": "required", "tools": [tool]})
+            else:
+                c = Constraint.from_params(json_schema=text)
+        except (GrammarError, ValueError) as exc:
             conn.send(("invalid", str(exc)[:300], 0.0, []))
             continue
         try:
@@ -197,19 +210,23 @@ def _worker(conn: Connection, backend_name: str) -> None:
             conn.send(("refused", str(exc)[:2000], 0.0, []))
             continue
         elapsed = time.perf_counter() - start
-        counts = check_instances(compiled, json.loads(text), tests) if tests else []
+        schema = json.loads(text)
+        counts = check_instances(compiled, schema, tests, as_tool) if tests else []
         conn.send(("accepted", "", elapsed, counts))
 
 
 class Worker:
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, as_tool: bool = False) -> None:
         self.backend = backend
+        self.as_tool = as_tool
         self._start()
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, self.backend), daemon=True)
+        self.proc = ctx.Process(
+            target=_worker, args=(child, self.backend, self.as_tool), daemon=True
+        )
         self.proc.start()
         assert self.conn.recv() == "ready"
 
@@ -341,6 +358,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backends", default="auto,llguidance,xgrammar,outlines")
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument(
+        "--as-tool",
+        action="store_true",
+        help="compile each schema as a tool's parameters (tool_calls constraint)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="also generate on the default model for N accepted schemas per subset "
@@ -360,7 +382,7 @@ def main() -> None:
         picked = sample(args.data, subsets, args.per_subset, args.seed)
     outcomes: list[Outcome] = []
     for backend in args.backends.split(","):
-        worker = Worker(backend)
+        worker = Worker(backend, args.as_tool)
         for subset, path in picked:
             text, tests = path.read_text(), []
             if args.maskbench:

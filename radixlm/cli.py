@@ -43,6 +43,13 @@ _HELP = {
     "kv_memory_bytes": "KV pool budget in bytes",
     "kv_memory_fraction": "KV pool budget as a fraction of free memory",
     "enable_prefix_caching": "share KV pages across requests by prefix (radix cache)",
+    "enable_hierarchical_cache": "a second KV tier under the radix cache: pages evicted from "
+    "the pool go to host memory (or --hicache-storage-dir) and load back on a prefix match",
+    "hicache_size": "the second tier's size in GB (2^30 bytes)",
+    "hicache_write_policy": "write_back (pages go to the tier when evicted from the pool, and at "
+    "shutdown) | write_through (also as soon as they are cached: survives a crash)",
+    "hicache_storage_dir": "keep the second tier in page files under this directory (turns "
+    "the tier on; a restarted server finds its earlier prefixes there)",
     "max_running_requests": "most requests decoding at once",
     "max_batched_tokens": "token budget of one forward (prefill chunks + decodes)",
     "chunked_prefill_size": "largest prefill chunk per request (0: no chunking)",

@@ -13,6 +13,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
 # offered one that does: 128 does not divide SmolLM2's 576).
 INT4_GROUP_SIZES = (32, 64, 128)
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,32 @@ class CacheConfig:
     kv_memory_bytes: int | None = None
     kv_memory_fraction: float = 0.2
     enable_prefix_caching: bool = True
+    # The second KV tier (SGLang's flag names): pages evicted from the pool are written to host
+    # memory, or with `hicache_storage_dir` to page files there (found again after a restart),
+    # bounded by `hicache_size` GB, and loaded back on a prefix match instead of recomputed.
+    # A storage dir alone turns the tier on.
+    enable_hierarchical_cache: bool = False
+    hicache_size: float = 4.0
+    hicache_storage_dir: str | None = None
+    # "write_back": a page goes to the tier when it is evicted from the pool (and at a clean
+    # shutdown); "write_through": also as soon as it is cached in the tree (a copy per computed
+    # page on the loop thread; a crash then loses nothing the tier could have kept).
+    hicache_write_policy: str = "write_back"
+
+    @property
+    def hicache_enabled(self) -> bool:
+        """The tier is on (it needs the prefix cache)."""
+        on = self.enable_hierarchical_cache or self.hicache_storage_dir is not None
+        return on and self.enable_prefix_caching
 
     def __post_init__(self) -> None:
+        if not self.hicache_size > 0:
+            raise ConfigError(f"hicache_size must be > 0 (GB), got {self.hicache_size}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ConfigError(
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                f"got {self.hicache_write_policy!r}"
+            )
         if self.page_size < 1:
             raise ConfigError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < 2:
@@ -156,6 +181,10 @@ class EngineConfig:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.cache.hicache_enabled:
+            # NOTE: every rank would keep its own shard of a page (`rank<r>/` in the store);
+            # moving pages on the worker ranks is not built yet.
+            raise ConfigError("the hierarchical cache does not support tp_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 from radixlm.radix.block_pool import BlockPool, OutOfPagesError
+from radixlm.radix.hicache import HiCache, HiCacheStats, PageIO
 from radixlm.radix.radix_cache import CacheStats, MatchResult, RadixCache, TreeNode
+from radixlm.radix.tier import FileTierStore, HostTierStore, TierStore, open_file_store
 
-__all__ = ["BlockPool", "CacheStats", "MatchResult", "OutOfPagesError", "RadixCache", "TreeNode"]
+__all__ = [
+    "BlockPool",
+    "CacheStats",
+    "FileTierStore",
+    "HiCache",
+    "HiCacheStats",
+    "HostTierStore",
+    "MatchResult",
+    "OutOfPagesError",
+    "PageIO",
+    "RadixCache",
+    "TierStore",
+    "TreeNode",
+    "open_file_store",
+]

@@ -26,11 +26,16 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import logging
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from radixlm.radix.block_pool import BlockPool, _require
+
+logger = logging.getLogger(__name__)
+
+EvictListener = Callable[[Hashable | None, tuple[int, ...], list[int]], None]
 
 
 @dataclass(eq=False)
@@ -111,6 +116,9 @@ class RadixCache:
         self._num_nodes = 0
         self._evicted_pages = 0  # cumulative, for rates
         self._uids = itertools.count(1)
+        # Called by ``evict`` with (namespace, prefix tokens ending with the victims' tokens,
+        # victim pages) before the victims are freed, their contents intact (the second tier).
+        self.evict_listener: EvictListener | None = None
 
     @property
     def num_tree_pages(self) -> int:
@@ -282,6 +290,7 @@ class RadixCache:
             _, _, node = heapq.heappop(heap)
             take = min(self._free_tail(node), num_pages - freed)
             victims = node.pages[-take:]
+            self._notify_evict(node, victims)
             if take == len(node.pages):
                 parent = self._remove_leaf(node)
                 if not parent.is_root and not parent.children and self._free_tail(parent) > 0:
@@ -480,6 +489,22 @@ class RadixCache:
             self._leaves.add(parent)
         self._num_tree_pages -= len(node.pages)
         return parent
+
+    def _notify_evict(self, node: TreeNode, victims: list[int]) -> None:
+        """Tell the listener; a listener's failure never stops an eviction."""
+        listener = self.evict_listener
+        if listener is None:
+            return
+        parts: list[tuple[int, ...]] = []
+        cur: TreeNode | None = node
+        while cur is not None:
+            parts.append(cur.key)
+            cur = cur.parent
+        prefix = tuple(t for key in reversed(parts) for t in key)
+        try:
+            listener(node.namespace, prefix, victims)
+        except Exception:  # noqa: BLE001 - the listener is an optimization (the tier)
+            logger.exception("radix cache eviction listener failed")
 
     def _free_tail(self, node: TreeNode) -> int:
         """Length of the node's maximal trailing run of ref-0 pages."""

@@ -23,6 +23,7 @@ from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import Executor
 from radixlm.runtime.grammar.base import backend_names
 from radixlm.runtime.grammar.manager import GrammarManager
+from radixlm.runtime.hicache_io import make_hicache
 from radixlm.runtime.model_runner import ModelRunner, pick_device
 from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 from radixlm.runtime.models.model_info import context_length, load_model_info
@@ -59,6 +60,9 @@ class EngineParts:
         self.max_model_len: int = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
         self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
+        self.hicache = make_hicache(
+            cfg.cache, self.cache, self.runner.kv_cache, self.model_dir, self.tokenizer
+        )
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -73,6 +77,7 @@ class EngineParts:
             self.appender,
             self.max_model_len,
             debug_integrity=cfg.debug_integrity,
+            hicache=self.hicache,
         )
         self.core = EngineCore(self.scheduler, self.executor, self.processor)
         self._grammar: GrammarManager | None = None

@@ -55,6 +55,9 @@ class Engine:
         self.scheduler, self.executor = parts.scheduler, parts.executor
         self.processor, self.core = parts.processor, parts.core
         self._loop = EngineLoop(parts)
+        if self.scheduler.pages.tier_loads is not None:
+            # a finished background read of tier pages makes its request admissible
+            self.scheduler.pages.tier_loads.on_done = lambda: self._loop.put("wake")
         self._loop.start()
 
     @property
@@ -277,6 +280,18 @@ class Engine:
         s = self.scheduler
         g = self.parts.appender.grammar
         hit, queried = self.cache.hit_counters()
+        tier = self.parts.hicache.stats() if self.parts.hicache is not None else None
+        tier_fields = {} if tier is None else {
+            "hicache_pages": tier.pages,
+            "hicache_bytes": tier.used_bytes,
+            "hicache_capacity_bytes": tier.capacity_bytes,
+            "hicache_hit_tokens": tier.hit_tokens,
+            "hicache_loaded_pages": tier.loaded_pages,
+            "hicache_load_seconds": tier.load_seconds,
+            "hicache_stored_pages": tier.stored_pages,
+            "hicache_dropped_pages": tier.dropped_pages,
+            "hicache_write_errors": tier.write_errors,
+        }  # fmt: skip
         return EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -300,6 +315,7 @@ class Engine:
             spec_draft_tokens=s.num_draft_tokens,
             spec_accepted_tokens=s.num_accepted_draft_tokens,
             verifier_events=g.verifier_events() if g else {},
+            **tier_fields,
         )
 
     def snapshot(self, options: SnapshotOptions | None = None) -> EngineSnapshot:
@@ -313,11 +329,14 @@ class Engine:
             self.scheduler.check_integrity()
 
     def flush_cache(self) -> bool:
-        """Drop every cached page; only when no request is running or waiting."""
+        """Drop every cached page, the second tier's too; only when no request is running or
+        waiting."""
         with self._lock:
             if self.scheduler.has_work():
                 return False
             self.cache.reset()
+            if self.parts.hicache is not None:
+                self.parts.hicache.clear()
             return True
 
     def wait_idle(self, timeout: float | None = None) -> bool:
@@ -335,10 +354,27 @@ class Engine:
         if self._loop.stopped.is_set():
             return
         self._loop.stop()
+        self._close_hicache()
         if hasattr(self.runner, "shutdown"):
             self.runner.shutdown()
         if self.parts.grammar is not None:
             self.parts.grammar.shutdown()
+
+    def _close_hicache(self) -> None:
+        """Write the tree's pages the tier lacks back to it (a restart finds them) and wait
+        for the writes. The loop has stopped: nothing else touches the pool."""
+        tier = self.parts.hicache
+        if tier is None:
+            return
+        loads = self.scheduler.pages.tier_loads
+        if loads is not None:
+            loads.close()
+        try:
+            with self._lock:
+                tier.write_back_all()
+            tier.close()
+        except Exception:  # noqa: BLE001 - shutting down: log, never raise
+            logger.exception("hicache: write-back at shutdown failed")
 
     def __enter__(self) -> Engine:
         return self

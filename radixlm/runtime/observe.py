@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from radixlm.radix.hicache import HiCacheStats
 from radixlm.radix.summary import SummaryOptions, TreeSummary, namespace_label, summarize
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler import Scheduler
@@ -91,6 +92,7 @@ class EngineSnapshot:
     scheduler: SchedulerSnapshot
     counters: CounterSnapshot
     tree: TreeSummary
+    tier: HiCacheStats | None = None  # the second KV tier, when on
 
 
 def take_snapshot(scheduler: Scheduler, options: SnapshotOptions | None = None) -> EngineSnapshot:
@@ -137,6 +139,7 @@ def take_snapshot(scheduler: Scheduler, options: SnapshotOptions | None = None) 
         scheduler=sched,
         counters=counters,
         tree=summarize(cache, options.tree),
+        tier=scheduler.hicache.stats() if scheduler.hicache is not None else None,
     )
 
 

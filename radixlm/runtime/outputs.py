@@ -117,6 +117,18 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # The second KV tier (`--enable-hierarchical-cache`; zeros when off): its pages and bytes,
+    # the prompt tokens loaded from it instead of computed, the pages loaded and the seconds
+    # spent loading, the pages written to it, those dropped as corrupt / foreign, failed writes.
+    hicache_pages: int = 0
+    hicache_bytes: int = 0
+    hicache_capacity_bytes: int = 0
+    hicache_hit_tokens: int = 0
+    hicache_loaded_pages: int = 0
+    hicache_load_seconds: float = 0.0
+    hicache_stored_pages: int = 0
+    hicache_dropped_pages: int = 0
+    hicache_write_errors: int = 0
     # Grammar verifier (schemas beyond context-free), per keyword: {"masked", "resampled",
     # "dead_ends"} counts (``constrained.KeywordStats``).
     verifier_events: dict[str, dict[str, int]] = field(default_factory=dict)

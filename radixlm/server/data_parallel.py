@@ -110,6 +110,16 @@ def engine_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     return argv
 
 
+def replica_engine_kwargs(engine_kwargs: dict[str, Any], k: int) -> dict[str, Any]:
+    """Replica `k`'s engine arguments: a second KV tier in files gets its own subdirectory
+    (`<dir>/dp<k>`: each store bounds and indexes only its own files, and a restarted replica k
+    finds its own pages)."""
+    tier_dir = engine_kwargs.get("hicache_storage_dir")
+    if tier_dir is None:
+        return engine_kwargs
+    return {**engine_kwargs, "hicache_storage_dir": os.path.join(tier_dir, f"dp{k}")}
+
+
 def replica_argv(engine_kwargs: dict[str, Any], config: ServerConfig, port: int) -> list[str]:
     argv = [sys.executable, "-m", "radixlm.cli", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--max-n", str(config.max_n)]
@@ -195,7 +205,8 @@ class DataParallelServer:
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
         for k, url in enumerate(self.worker_urls):
             port = int(url.rsplit(":", 1)[1])
-            self._spawn(f"replica {k} ({url})", replica_argv(self.engine_kwargs, self.config, port))
+            kwargs = replica_engine_kwargs(self.engine_kwargs, k)
+            self._spawn(f"replica {k} ({url})", replica_argv(kwargs, self.config, port))
         self._wait_until("replicas", lambda: all(_healthy(u) for u in self.worker_urls), timeout)
         self._spawn("router", router_argv(self.config, self.dp, self.worker_urls))
         router_url = f"http://{_connect_host(self.config.host)}:{self.config.port}"

@@ -71,6 +71,27 @@ class EngineCollector(Collector):
                 "Speculative draft tokens accepted",
                 s.spec_accepted_tokens,
             ),
+            "hicache_hit_tokens": (
+                "Prompt tokens loaded from the second KV tier instead of computed",
+                s.hicache_hit_tokens,
+            ),
+            "hicache_loaded_pages": (
+                "KV pages loaded from the second tier",
+                s.hicache_loaded_pages,
+            ),
+            "hicache_load_seconds": (
+                "Seconds spent loading KV pages from the second tier",
+                s.hicache_load_seconds,
+            ),
+            "hicache_stored_pages": ("KV pages written to the second tier", s.hicache_stored_pages),
+            "hicache_dropped_pages": (
+                "Second-tier pages dropped as corrupt, truncated or foreign",
+                s.hicache_dropped_pages,
+            ),
+            "hicache_write_errors": (
+                "Second-tier page writes that failed (full disk ...)",
+                s.hicache_write_errors,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -96,6 +117,12 @@ class EngineCollector(Collector):
             "kv_pages_cached": ("KV pages cached in the radix tree, evictable", s.kv_pages_cached),
             "kv_pages_free": ("Free KV pages", s.kv_pages_free),
             "kv_page_size": ("Tokens per KV page", s.page_size),
+            "hicache_pages": ("KV pages in the second tier", s.hicache_pages),
+            "hicache_bytes": ("Bytes of KV pages in the second tier", s.hicache_bytes),
+            "hicache_capacity_bytes": (
+                "The second tier's capacity in bytes (0: off)",
+                s.hicache_capacity_bytes,
+            ),
             "spec_decode_acceptance_rate": (
                 "Accepted / verified speculative draft tokens (0 without drafting)",
                 s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0,

@@ -22,7 +22,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from radixlm.runtime.grammar.strict import verified_keywords
 from radixlm.server.constraints import RequestConstraint, check_constraint, make_constraint
 from radixlm.server.errors import ApiError
 from radixlm.server.limits import check_constraint_size
@@ -130,14 +129,6 @@ async def tool_request(
             "json_schema", params, f"tools[{i}].function.parameters", best_effort=lax, **kw
         )
         await check_constraint(engine, rc)
-        needs = [] if lax else verified_keywords(rc.spec)
-        if needs:
-            raise ApiError(
-                f"tools[{i}].function.parameters: {', '.join(needs)} needs the schema verifier, "
-                "which tool-call arguments do not run yet; set the function's strict: false or "
-                "grammar_best_effort to generate without enforcing it",
-                param=f"tools[{i}].function.parameters",
-            )
     named = body.tool_choice if not isinstance(body.tool_choice, str) else None
     spec = tool_calls_spec(tools, named.model_dump() if named else mode, body.parallel_tool_calls)
     if spec is None:

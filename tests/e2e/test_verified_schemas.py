@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixlm import Engine, SamplingParams
+from radixlm.tool_calls import parse_tool_calls
 
 pytestmark = pytest.mark.slow
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -53,6 +54,15 @@ def engine(default_model_dir: Path) -> Iterator[Engine]:
     e.shutdown()
 
 
+def _stopped(r: Any) -> bool:
+    """The generation finished with "stop" (else "length", or a dead end: the exact schema
+    refused every continuation; never another error)."""
+    assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
+    if r.finish_reason == "error":
+        assert r.outputs[0].error_code == "grammar_dead_end", r.error
+    return r.finish_reason == "stop"
+
+
 @settings(
     max_examples=6,
     deadline=None,
@@ -68,10 +78,31 @@ def test_outputs_of_verified_schemas_validate(
     params = SamplingParams(max_new_tokens=96, temperature=1.0, seed=seed,
                             constraint={"json_schema": schema})  # fmt: skip
     [r] = engine.generate([prompt], [params])
-    assert r.finish_reason in ("stop", "length", "error"), r.finish_reason
-    if r.finish_reason == "error":  # a dead end: the exact schema refuses every continuation
-        assert r.outputs[0].error_code == "grammar_dead_end", r.error
-        return
-    if r.finish_reason == "stop":
+    if _stopped(r):
         value = json.loads(r.text)
         jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(value)
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(schema=verified_schemas(), seed=st.integers(min_value=0, max_value=2**16))
+def test_tool_arguments_of_verified_schemas_validate(
+    engine: Engine, schema: dict[str, Any], seed: int
+) -> None:
+    """The same schemas as a tool's ``parameters`` (the ``tool_calls`` constraint): every
+    finished call's arguments validate."""
+    spec = {"mode": "required", "parallel": False,
+            "tools": [{"name": "record", "parameters": schema}]}  # fmt: skip
+    ask = f"Call record with arguments matching this JSON schema:\n{json.dumps(schema)}"
+    prompt = engine.apply_chat_template([{"role": "user", "content": ask}])
+    params = SamplingParams(max_new_tokens=128, temperature=1.0, seed=seed,
+                            constraint={"tool_calls": spec})  # fmt: skip
+    [r] = engine.generate([prompt], [params])
+    if _stopped(r):
+        [call] = parse_tool_calls(r.text).calls
+        assert call.name == "record"
+        jsonschema.Draft202012Validator(schema, format_checker=FORMATS).validate(call.args)

@@ -4,9 +4,11 @@ compile failures fail one request, masks, jump-forward extends, n > 1, retractio
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 
+import jsonschema
 import pytest
 from fake_runner import EOS, VOCAB, FakeRunner, attach_core
 
@@ -299,3 +301,45 @@ def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(ju
             assert s.num_accepted_draft_tokens > 0
         assert_released(s)
     assert outs[0] == outs[1]
+
+
+# Needs the verifier (``not``) and admits no value: every two-digit number the grammar allows
+# is refused, so the row runs out of tokens after the first digit (a dead end).
+DEAD_END_SCHEMA = {"type": "integer", "minimum": 10, "maximum": 19, "not": {"minimum": 10}}
+# Needs the verifier too, and admits 12..19: the look-ahead refuses "1" + a forced end at 10, 11.
+NOT_SCHEMA = {"type": "integer", "minimum": 10, "maximum": 19, "not": {"enum": [10, 11]}}
+
+
+def _schema_req(mgr: GrammarManager, rid: str, schema: dict, **params) -> Request:
+    c = Constraint.from_params(json_schema=schema)
+    p = SamplingParams(**{"max_new_tokens": 8, "temperature": 0, "constraint": c, **params})
+    r = Request(rid, [5, 6, 7, 8], p)
+    mgr.validate(c)
+    r.grammar_future = mgr.submit(c)
+    return r
+
+
+def test_a_dead_end_fails_only_that_request_and_releases_its_pages():
+    """The verifier refuses every continuation: that request ends with ``grammar_dead_end``
+    (never an invalid output), its pages are released, the others in the batch finish, and
+    the scheduler keeps serving afterwards."""
+    mgr = manager()
+    s = make(mgr)
+    dead = _schema_req(mgr, "dead", DEAD_END_SCHEMA)
+    ok = req(mgr, "ok", [9, 10, 11], FORCED)
+    verified = [_schema_req(mgr, f"v{i}", NOT_SCHEMA, temperature=1.0, seed=i) for i in range(6)]
+    for r in (dead, ok, *verified):
+        s.add_request(r)
+    run(s)
+    assert dead.finish_reason == "error" and dead.error_code == "grammar_dead_end"
+    assert re.fullmatch(FORCED, spell(ok.output_token_ids)) and ok.finish_reason == "stop"
+    for r in verified:  # the look-ahead kept these clear of dead ends
+        assert r.finish_reason == "stop", (r.finish_reason, r.error)
+        jsonschema.validate(json.loads(spell(r.output_token_ids)), NOT_SCHEMA)
+    assert s.appender.grammar.verifier_stats["not"].dead_ends == 1
+    assert_released(s)
+    again = req(mgr, "again", [9, 10, 12], FORCED)  # still serving
+    s.add_request(again)
+    run(s)
+    assert re.fullmatch(FORCED, spell(again.output_token_ids))
+    assert_released(s)

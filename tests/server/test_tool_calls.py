@@ -9,7 +9,6 @@ import json
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -187,6 +186,13 @@ def test_required_calls_validate_for_random_schemas(
     schema = {"type": "object", "properties": {k: PROPERTY_SCHEMAS[k] for k in keys}}
     if required:
         schema["required"] = keys
+    choice = _record_call(oai, schema, seed)
+    assert choice.finish_reason == "tool_calls", choice
+
+
+def _record_call(oai: Any, schema: dict[str, Any], seed: int) -> Any:
+    """One required call of a ``record`` tool taking ``schema`` (temperature 1); its arguments
+    validate with ``jsonschema`` when it finished. Returns the choice."""
     tool = {"type": "function", "function": {"name": "record", "parameters": schema}}
     r = oai.chat.completions.create(
         model="m",
@@ -199,12 +205,24 @@ def test_required_calls_validate_for_random_schemas(
         max_tokens=96,
     )
     choice = r.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    [call] = choice.message.tool_calls
-    jsonschema.validate(json.loads(call.function.arguments), schema)
+    if choice.finish_reason == "tool_calls":
+        [call] = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    return choice
 
 
-UNIQUE = {"type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}
+# Keywords only the verifier enforces (uniqueItems, not): served strictly, like response_format.
+UNIQUE = {
+    "type": "object",
+    "properties": {
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "uniqueItems": True,
+                 "minItems": 2, "maxItems": 3},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"enum": [0, 1, 2]}},
+    },
+    "required": ["tags", "n"],
+    "additionalProperties": False,
+}  # fmt: skip
+EXTERNAL_REF = {"type": "object", "properties": {"x": {"$ref": "https://example.com/s.json"}}}
 
 
 def _tool(name: str = "f", **fn: Any) -> dict[str, Any]:
@@ -222,7 +240,7 @@ BAD = [
      "tools[0].function.parameters"),
     ("parameters-invalid-schema", {"tools": [_tool(parameters={"type": "nope"})]},
      "tools[0].function.parameters"),
-    ("unenforceable-keyword", {"tools": [_tool(parameters=UNIQUE)], "tool_choice": "required"},
+    ("external-ref", {"tools": [_tool(parameters=EXTERNAL_REF)], "tool_choice": "required"},
      "tools[0].function.parameters"),
     ("unknown-tool-choice", {"tool_choice": "always"}, "tool_choice"),
     ("tool-type", {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
@@ -243,9 +261,9 @@ def test_bad_input_names_the_field(http: Any, name: str, extra: dict[str, Any], 
     assert param.split(".")[0].split("[")[0] in err["message"]
 
 
-def test_unenforceable_keyword_is_served_best_effort(oai: Any) -> None:
-    tool = _tool(parameters=UNIQUE, strict=False)
-    with pytest.raises(openai.BadRequestError):
-        _create(oai, tools=[_tool(parameters=UNIQUE)], tool_choice="required")
-    r = _create(oai, tools=[tool], tool_choice="required", parallel_tool_calls=False)
-    assert r.choices[0].finish_reason in ("tool_calls", "length")
+def test_verified_keywords_in_parameters_are_enforced(oai: Any) -> None:
+    """Tool parameters that need the verifier are served strictly (no 400): every call's
+    arguments validate with ``jsonschema``, sampled at temperature 1 over several seeds."""
+    for seed in range(4):
+        choice = _record_call(oai, UNIQUE, seed)
+        assert choice.finish_reason in ("tool_calls", "length"), choice

@@ -34,7 +34,7 @@ from radixlm.runtime.grammar.bitmask import (
 )
 from radixlm.runtime.grammar.constraint import Constraint, parse_choices
 from radixlm.runtime.grammar.errors import GrammarError
-from radixlm.runtime.grammar.strict import SchemaSupport, check_schema, verified_keywords
+from radixlm.runtime.grammar.strict import SchemaSupport, check_schema
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import ToolCallsSpec
 
@@ -244,13 +244,6 @@ class GrammarBackend(abc.ABC):
                     )
                 except GrammarError as exc:
                     raise GrammarError(f"tool {tool.name!r} parameters: {exc}") from None
-                verified = verified_keywords(tool.parameters)
-                if verified and not constraint.best_effort:
-                    raise GrammarError(
-                        f"tool {tool.name!r} parameters: JSON schema uses keywords that only "
-                        f"the verifier enforces ({', '.join(verified)}), which tool calls do "
-                        "not run yet. Remove them, or request best-effort decoding."
-                    )
 
     def _validate_syntax(self, constraint: Constraint) -> None:  # noqa: B027 - optional hook
         """Backend hook: parse regex / EBNF cheaply, raising ``GrammarError``."""

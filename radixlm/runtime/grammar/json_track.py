@@ -103,9 +103,31 @@ def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> S
 def advance(state: ScanState, chunk: str, hooks: Hooks, root: Nodes) -> ScanState | str:
     """The state after ``chunk``, or the keyword that refuses it."""
     try:
-        return _Scan(state, hooks, root).run(chunk)
+        scan = _Scan(state, hooks, root)
+        scan.run(chunk)
+        return scan.state()
     except Refused as exc:
         return exc.keyword
+
+
+def advance_value(
+    state: ScanState, chunk: str, hooks: Hooks, root: Nodes
+) -> tuple[ScanState, int] | str:
+    """``advance`` through the end of the top-level value at most (a value embedded in other
+    text, e.g. a tool call's arguments): the state and how many characters of ``chunk`` it
+    took; the value has ended when ``ended(state)``. A top-level number ends at the first
+    character after it, which is not taken."""
+    try:
+        scan = _Scan(state, hooks, root)
+        taken = scan.run(chunk, stop=True)
+        return scan.state(), taken
+    except Refused as exc:
+        return exc.keyword
+
+
+def ended(state: ScanState) -> bool:
+    """The top-level value is complete (and no literal is still being spelled)."""
+    return state.done and state.scalar is None
 
 
 def finish(state: ScanState, hooks: Hooks, root: Nodes) -> ScanState | str:
@@ -132,11 +154,20 @@ class _Scan:
     def state(self) -> ScanState:
         return ScanState(self.text, tuple(self.stack), self.scalar, self.done)
 
-    def run(self, chunk: str) -> ScanState:
+    def run(self, chunk: str, stop: bool = False) -> int:
+        """Scan ``chunk``; with ``stop``, only up to the end of the top-level value. Returns
+        the characters taken."""
         base = len(self.text)
         self.text += chunk
+        taken = len(chunk)
         for k, ch in enumerate(chunk):
-            self.char(ch, base + k)
+            if stop and self.done and self.scalar is None:
+                taken = k
+                break
+            if not self.char(ch, base + k, stop):
+                taken = k
+                break
+        self.text = self.text[: base + taken]
         sc = self.scalar
         if sc is not None and sc.prefix_check and sc.kind == "string" and not sc.escape:
             raw = self.text[sc.start + 1 :]
@@ -144,9 +175,11 @@ class _Scan:
             if prefix is not None:
                 check = self.hooks.key_prefix if sc.key else self.hooks.string_prefix
                 self._check(check(sc.nodes, prefix))
-        return self.state()
+        return taken
 
-    def char(self, ch: str, pos: int) -> None:
+    def char(self, ch: str, pos: int, stop: bool = False) -> bool:
+        """Scan one character; False when it is not taken (``stop``: it follows a top-level
+        number, which it ended)."""
         sc = self.scalar
         if sc is not None:
             if sc.kind == "string":
@@ -156,14 +189,17 @@ class _Scan:
                     self.scalar = replace(sc, escape=True)
                 elif ch == '"':
                     self.end_string(pos)
-                return
+                return True
             if sc.kind == "literal":
                 self.scalar = replace(sc, left=sc.left - 1) if sc.left > 1 else None
-                return
+                return True
             if ch in _NUMBER_CHARS:
-                return
+                return True
             self.end_number(pos)
+            if stop and self.done:
+                return False
         self.structural(ch, pos)
+        return True
 
     def structural(self, ch: str, pos: int) -> None:
         if ch in _WHITESPACE:

@@ -72,6 +72,12 @@ from radixlm.runtime.grammar.schema_merge import merge_schemas
 from radixlm.runtime.grammar.subsume import SubsetChecker
 
 _MAX_DEPTH = 64
+# References are inlined down to this depth only: merging a conjunction of recursive references
+# unrolls them level by level (an ``allOf`` of two cycles of lengths 2 and 3 never repeats a
+# single reference), and each level nests the schema text twice: past ~60 levels it passes
+# llguidance's JSON nesting limit (128). Below, the ``$ref`` stays (exact; ``relax`` hands an
+# ``allOf`` of recursive references to the verifier).
+_MAX_INLINE_DEPTH = 40
 _MAX_UNIQUE_VALUES = 4
 _MAX_UNIQUE_ARRAYS = 128
 _MAX_DISTRIBUTED_BYTES = 256 * 1024
@@ -148,7 +154,7 @@ class _Normalizer(CaseRewrites):
         if any(k not in NON_ASSERTING and k != "$ref" for k in s):
             return s
         ref = s["$ref"]
-        if ref in self._inlining or depth > _MAX_DEPTH or not ref.startswith("#/"):
+        if ref in self._inlining or depth > _MAX_INLINE_DEPTH or not ref.startswith("#/"):
             return s
         if ref in self._inlined:  # a partly inlined result is as exact as a full one
             return copy.deepcopy(self._inlined[ref])

@@ -33,6 +33,7 @@ from radixlm.runtime.grammar.schema_keywords import (
     NON_ASSERTING,
     VALIDATION_KEYWORDS,
     map_subschemas,
+    resolve_pointer,
 )
 
 VERIFY_KEY = "x-radixlm-verify"
@@ -72,6 +73,7 @@ class _Relaxer:
         # Unknown keys that a local ``$ref`` passes through ("#/ddd/x"): schemas may be kept
         # there, out of ``map_subschemas``' reach; they are relaxed too.
         self.ref_keys = _ref_segments(root) - VALIDATION_KEYWORDS - NON_ASSERTING
+        self._recursion: dict[str, bool] = {}  # local $ref -> its target reaches itself
 
     def node(self, s: Any, depth: int) -> tuple[Any, Any]:
         if not isinstance(s, dict) or depth > _MAX_DEPTH:
@@ -161,23 +163,36 @@ class _Relaxer:
                 out["properties"] = {**props, **{n: {} for n in missing}}
                 if extra not in (True, {}) or out.get("patternProperties"):
                     done.append("required")
-        own_pattern = isinstance(out.get("pattern"), str)
         members = out.get("allOf")
+        if isinstance(members, list) and any(map(self._recursive, members)):
+            # A conjunction of recursive references (normalization stops unrolling it at a
+            # depth): the backends cannot intersect them. The grammar keeps the first member,
+            # alone when the siblings hold recursive references too.
+            siblings = [v for k, v in out.items() if k != "allOf" and k not in NON_ASSERTING]
+            if any(map(self._holds_recursive, siblings)):
+                return {"allOf": members[:1]}, [*done, "allOf"]
+            if len(members) > 1:
+                out["allOf"] = members = members[:1]
+                done.append("allOf")
+        own_pattern = isinstance(out.get("pattern"), str)
+        held: list[Any] = []
         if isinstance(members, list):
-            # Several patterns on one string: llguidance intersects them and often cannot
-            # decide whether the intersection is empty. The grammar keeps one.
-            held = [m for m in members if isinstance(m, dict) and isinstance(m.get("pattern"), str)]
+            # Several patterns on one string (own, members', members' $ref targets'):
+            # llguidance intersects them and often cannot decide whether the intersection is
+            # empty. The grammar keeps one.
+            held = [m for m in members if self._pattern_member(m)]
             if held and own_pattern + len(held) > 1:
                 keep = None if own_pattern else held[0]
                 out["allOf"] = [
-                    {k: v for k, v in m.items() if k != "pattern"}
+                    ({k: v for k, v in m.items() if k != "pattern"} if "pattern" in m else {})
                     if m is not keep and any(m is h for h in held)
                     else m
                     for m in members
                 ]
                 done.append("pattern")
         bound = out.get("minLength")
-        if own_pattern and isinstance(bound, int) and bound > _MAX_MIN_LENGTH_WITH_PATTERN:
+        patterned = own_pattern or bool(held)
+        if patterned and isinstance(bound, int) and bound > _MAX_MIN_LENGTH_WITH_PATTERN:
             del out["minLength"]  # measured: llguidance cannot decide ^([a-z][0-9])+$ and 99+
             done.append("minLength")
         for key in ("dependentRequired", "dependentSchemas"):  # what normalize left
@@ -204,6 +219,61 @@ class _Relaxer:
                 del out[key]
                 done.append(key)
         return out, done
+
+    def _recursive(self, member: Any) -> bool:
+        """``member`` is a local ``$ref`` whose target reaches itself through references."""
+        ref = member.get("$ref") if isinstance(member, dict) else None
+        if not isinstance(ref, str):
+            return False
+        if ref not in self._recursion:
+            self._recursion[ref] = False
+            target = resolve_pointer(self.root, ref)
+            seen: set[int] = set()
+            stack = [target]
+            while stack and not self._recursion[ref]:
+                node = stack.pop()
+                if id(node) in seen or not isinstance(node, (dict, list)):
+                    continue
+                seen.add(id(node))
+                values = list(node.values()) if isinstance(node, dict) else node
+                if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+                    nxt = resolve_pointer(self.root, node["$ref"])
+                    if nxt is not None and nxt is target:
+                        self._recursion[ref] = True
+                    values.append(nxt)
+                stack.extend(values)
+        return self._recursion[ref]
+
+    def _holds_recursive(self, value: Any) -> bool:
+        """``value`` holds a local ``$ref`` to a recursive target (references not followed)."""
+        stack = [value]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if self._recursive(node):
+                    return True
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        return False
+
+    def _pattern_member(self, m: Any) -> bool:
+        """An ``allOf`` member with a ``pattern``: its own, or (a bare local ``$ref``) its
+        target's when that asserts nothing else (the member is then dropped whole)."""
+        if not isinstance(m, dict):
+            return False
+        if isinstance(m.get("pattern"), str):
+            return True
+        if not isinstance(m.get("$ref"), str) or any(
+            k != "$ref" and k not in NON_ASSERTING for k in m
+        ):
+            return False
+        target = resolve_pointer(self.root, m["$ref"])
+        return (
+            isinstance(target, dict)
+            and isinstance(target.get("pattern"), str)
+            and all(k == "pattern" or k in NON_ASSERTING for k in target)
+        )
 
     @staticmethod
     def _if_cases(s: dict[str, Any]) -> list[Any] | None:

@@ -95,7 +95,9 @@ class Admission:
             return Admitted(Outcome.SKIP)  # its grammar is compiling
         if self.shares_inflight_prefix(req, inflight):
             return Admitted(Outcome.SKIP)  # wait for the leader's prefill, then hit it
-        hit = self.pages.adopt_prefix(req)
+        if not self.pages.tier_ready(req):
+            return Admitted(Outcome.SKIP)  # its pages are being read from the second tier
+        hit = self.pages.adopt_prefix(req, reserve=len(running))
         remaining = req.num_uncomputed
         if cfg.chunked_prefill_size is None:
             # No chunking: the whole prompt, past the budget only when it runs alone.

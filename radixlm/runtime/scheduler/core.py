@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from radixlm.config import SchedulerConfig
-from radixlm.radix import BlockPool, RadixCache
+from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.batch import (
     PromptLogprobs,
     SampleSlot,
@@ -70,6 +70,7 @@ class Scheduler:
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
         debug_integrity: bool = False,
+        hicache: HiCache | None = None,
     ) -> None:
         self.pool = pool
         self.cache = cache
@@ -79,7 +80,8 @@ class Scheduler:
         self.page_size = pool.page_size
         self.clock = clock
         self.debug_integrity = debug_integrity
-        self.pages = PageManager(pool, cache)
+        self.hicache = hicache
+        self.pages = PageManager(pool, cache, hicache)
         self.policy = create_policy(config.schedule_policy, config, cache, clock)
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)
@@ -132,10 +134,16 @@ class Scheduler:
 
     def has_ready_work(self) -> bool:
         """Work a step can do now: anything running, or a waiting request that is not waiting
-        for its grammar to compile (a finished compile counts: the step admits or fails it)."""
+        for its grammar to compile (a finished compile counts: the step admits or fails it) nor
+        for its pages to be read from the second tier."""
         if self.running:
             return True
-        return any(r.grammar_future is None or r.grammar_future.done() for r in self.waiting)
+        loads = self.pages.tier_loads
+        return any(
+            (r.grammar_future is None or r.grammar_future.done())
+            and (loads is None or not loads.pending(r))
+            for r in self.waiting
+        )
 
     # ---- scheduling ----------------------------------------------------------------------------
 
@@ -224,6 +232,8 @@ class Scheduler:
     def _admit(self, items: list[ScheduledItem], used: int) -> None:
         """Admit waiting requests in policy order while a slot, budget and pages last."""
         cfg = self.config
+        if self.pages.tier_loads is not None:
+            self.pages.tier_loads.retain(self.waiting)
         if (
             not self.waiting
             or len(self.running) >= cfg.max_running_requests

@@ -1,38 +1,70 @@
-"""KV pages of requests: allocation (evicting cache leaves when short), release, and caching
-computed full pages in the radix tree.
+"""KV pages of requests: allocation (evicting cache leaves when short), release, caching
+computed full pages in the radix tree, and (with a second tier) loading a prefix's tier pages.
 
 NOTE: invariants kept here
 - A request's `pages` are exactly the pages it holds one ref on; the full ones it shares with the
   tree form a root path, so releasing is one `pool.decref(req.pages)`.
 - Only full pages are inserted into the tree; the partial last page stays private.
+- Pages loaded from the second tier enter the tree at once, like computed ones; with
+  write-through, every page the tree adopts is stored in the tier.
 - `req.page_gen` is bumped whenever `pages` changes other than by appending (the executor's page
   table rewrites the row then).
 """
 
 from __future__ import annotations
 
-from radixlm.radix import BlockPool, RadixCache
+from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.request import Request
+from radixlm.runtime.scheduler.tier_loads import TierLoads
 
 
 class PageManager:
-    def __init__(self, pool: BlockPool, cache: RadixCache) -> None:
+    def __init__(self, pool: BlockPool, cache: RadixCache, hicache: HiCache | None = None) -> None:
         self.pool = pool
         self.cache = cache
+        self.hicache = hicache
+        self.tier_loads = TierLoads(hicache) if hicache is not None else None
         self.page_size = pool.page_size
 
-    def adopt_prefix(self, req: Request) -> int:
-        """Start `req` on its longest cached prefix (locked, one ref per page); returns the
-        tokens hit. Positions whose logits give wanted prompt logprobs are never taken."""
+    @staticmethod
+    def usable_prefix(req: Request) -> list[int]:
+        """The tokens a prefix hit may cover: never the last (its logits are needed), nor the
+        positions whose logits give wanted prompt logprobs."""
         usable = req.num_tokens - 1
         if req.prompt_logprob_start is not None:
             usable = min(usable, max(0, req.prompt_logprob_start - 1))
-        m = self.cache.match_prefix(req.token_ids[:usable], req.namespace)
+        return req.token_ids[:usable]
+
+    def tier_ready(self, req: Request) -> bool:
+        """False while `req`'s pages are being read from the second tier in the background
+        (the first call starts the read): admission skips it until then."""
+        if self.tier_loads is None:
+            return True
+        tokens = self.usable_prefix(req)
+        start = self.cache.peek_prefix_len(tokens, req.namespace)
+        return self.tier_loads.ready(req, tokens, req.namespace, start)
+
+    def adopt_prefix(self, req: Request, reserve: int = 0) -> int:
+        """Start `req` on its longest cached prefix (locked, one ref per page); returns the
+        tokens hit.
+
+        With a second tier, the pages after the pool's match that the tier holds are loaded
+        into fresh pool pages (leaving `reserve` free; read in the background beforehand when
+        `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
+        tokens = self.usable_prefix(req)
+        m = self.cache.match_prefix(tokens, req.namespace)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
         req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
-        return m.num_tokens
+        if self.hicache is not None:
+            prefetched = self.tier_loads.take(req) if self.tier_loads is not None else None
+            loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve, prefetched)
+            if loaded:
+                req.pages += loaded
+                req.num_computed_tokens += len(loaded) * self.page_size
+                self.cache_computed(req)
+        return req.num_computed_tokens
 
     def alloc_with_reserve(self, req: Request, total_tokens: int, reserve: int) -> bool:
         """Pages for `total_tokens` in all, leaving `reserve` pages free (headroom for the
@@ -78,12 +110,13 @@ class PageManager:
         num_full = req.num_computed_tokens // self.page_size
         if num_full == 0 or not self.cache.enabled:
             return
-        full = self.cache.insert_and_adopt(
-            req.token_ids[: num_full * self.page_size], req.pages[:num_full], req.namespace
-        )
+        tokens = req.token_ids[: num_full * self.page_size]
+        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace)
         if full != req.pages[:num_full]:
             req.pages[:num_full] = full
             req.page_gen += 1
+        if self.hicache is not None and self.hicache.write_through:
+            self.hicache.on_cached(req.namespace, tokens, full)
 
     def share_prefix(self, parent: Request, child: Request, dst: int | None) -> None:
         """A forked branch takes one ref on its parent's computed full pages, then its own copy

@@ -192,6 +192,7 @@ class DashboardHub:
             "tree": self._tree(snap),
             "point": asdict(point),
             "viewers": self.num_viewers,
+            "tier": None if snap.tier is None else asdict(snap.tier),
         }
         if include_history:
             body["history"] = [asdict(p) for p in self._history]

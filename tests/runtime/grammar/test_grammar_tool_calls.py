@@ -7,15 +7,17 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import jsonschema
 import pytest
-from grammar_helpers import EOS, walk
+from grammar_helpers import BYTE_VOCAB, EOS, grammar_accepts, walk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixlm.runtime.grammar.base import GrammarBackend
+from radixlm.runtime.grammar.base import GrammarBackend, get_backend
 from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
 from radixlm.runtime.grammar.constraint import Constraint
 from radixlm.runtime.grammar.errors import GrammarError
+from radixlm.runtime.grammar.verified import VerifiedGrammar
 from radixlm.tool_calls import (
     ToolCallParser,
     format_tool_call,
@@ -111,15 +113,80 @@ def test_outlines_refuses_auto_by_name(backends: dict[str, GrammarBackend]) -> N
         backends["outlines"].validate(_c("auto", add=ADD_UNBOUNDED))
 
 
+UNIQUE_ITEMS = {"type": "array", "items": {"enum": [0, 1, 2, 3]}, "uniqueItems": True,
+                "maxItems": 3}  # fmt: skip
+UNIQUE_ARGS = {"type": "object", "properties": {"x": UNIQUE_ITEMS}, "required": ["x"],
+               "additionalProperties": False}  # fmt: skip
+# Not an object: the arguments' value ends at the character after it ("}" of the call's end).
+NOT_ARGS = {"type": "integer", "not": {"enum": [3, 42]}}
+
+
+def _byte_compile(backend: str, mode: str = "required", parallel: bool = True) -> Any:
+    c = _c(mode, parallel, f=UNIQUE_ARGS, g=NOT_ARGS, add=ADD_UNBOUNDED)
+    grammar_backend = get_backend(backend)(BYTE_VOCAB)
+    grammar_backend.validate(c)
+    compiled = grammar_backend.compile(c)
+    assert isinstance(compiled, VerifiedGrammar)  # f and g need the verifier
+    return compiled
+
+
 @pytest.mark.parametrize("backend", ["xgrammar", "outlines", "llguidance"])
-def test_unenforceable_keyword_is_refused_unless_best_effort(
-    backend: str, backends: dict[str, GrammarBackend]
-) -> None:
-    items = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
-    schema = {"type": "object", "properties": {"x": items}}
-    with pytest.raises(GrammarError, match=r"tool 'f' parameters: .*uniqueItems"):
-        backends[backend].validate(_c(f=schema))
-    backends[backend].validate(Constraint("tool_calls", _spec(f=schema), best_effort=True))
+def test_tool_parameters_run_the_verifier(backend: str) -> None:
+    """A tool whose ``parameters`` need the verifier is served: each call's arguments are
+    checked against that tool's exact schema, the calls of other tools pass untouched."""
+    compiled = _byte_compile(backend)
+    ok = [format_tool_call("f", '{"x":[0,1,2]}'), format_tool_call("g", "5"),
+          format_tool_call("add", '{"a":1,"b":1}')]  # fmt: skip
+    for call in ok:
+        assert grammar_accepts(compiled.new_matcher(), call), call
+    assert grammar_accepts(compiled.new_matcher(), "\n".join(ok))
+    bad = [format_tool_call("f", '{"x":[0,1,0]}'), format_tool_call("g", "3"),
+           format_tool_call("g", "42")]  # fmt: skip
+    for call in bad:
+        assert not grammar_accepts(compiled.new_matcher(), call), call
+    # the second call's arguments are checked afresh (its own items, not the first call's)
+    assert grammar_accepts(compiled.new_matcher(), ok[0] + "\n" + ok[0])
+    assert not grammar_accepts(compiled.new_matcher(), ok[1] + "\n" + bad[0])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_auto_mode_checks_only_the_arguments(backend: str) -> None:
+    compiled = _byte_compile(backend, "auto", parallel=True)
+    text = 'I will call f with "x": [0, 0].\n'  # free text is not checked
+    assert grammar_accepts(compiled.new_matcher(), text)
+    call = format_tool_call("f", '{"x":[3,2]}')
+    assert grammar_accepts(compiled.new_matcher(), text + call + "\nDone [1,1].")
+    assert not grammar_accepts(compiled.new_matcher(), text + format_tool_call("f", '{"x":[2,2]}'))
+
+
+def test_arguments_with_whitespace_are_checked() -> None:
+    grammar_backend = get_backend("llguidance")(BYTE_VOCAB)
+    c = Constraint("tool_calls", _spec("auto", True, f=UNIQUE_ARGS), whitespace="any")
+    compiled = grammar_backend.compile(c)
+    ok = format_tool_call("f", '{ "x" : [ 0 , 1 ] }')
+    assert grammar_accepts(compiled.new_matcher(), "ok " + ok + " done")
+    assert not grammar_accepts(compiled.new_matcher(), format_tool_call("f", '{ "x" : [ 0 , 0 ] }'))
+
+
+_ITEMS = st.lists(st.integers(min_value=0, max_value=3), max_size=3)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(calls=st.lists(st.one_of(_ITEMS, st.integers(min_value=0, max_value=99)), min_size=1,
+                      max_size=3))  # fmt: skip
+def test_tool_calls_accepted_iff_jsonschema_validates(calls: list[Any]) -> None:
+    """Grammar + verifier accept a sequence of calls exactly when ``jsonschema`` validates
+    every call's arguments (the arguments are always in the relaxation here)."""
+    compiled = _byte_compile("llguidance")
+    texts, valid = [], True
+    for args in calls:
+        if isinstance(args, list):
+            value, schema, name = {"x": args}, UNIQUE_ARGS, "f"
+        else:
+            value, schema, name = args, NOT_ARGS, "g"
+        texts.append(format_tool_call(name, json.dumps(value, separators=(",", ":"))))
+        valid = valid and jsonschema.Draft202012Validator(schema).is_valid(value)
+    assert grammar_accepts(compiled.new_matcher(), "\n".join(texts)) == valid
 
 
 def test_malformed_specs_are_grammar_errors() -> None:

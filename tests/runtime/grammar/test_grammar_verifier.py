@@ -219,3 +219,79 @@ def test_suite_files_of_the_verified_keywords(backend: str, name: str) -> None:
     if backend != "outlines":  # outlines refuses these files' schemas for other reasons
         assert verified > 0, f"no schema of {name}.json needed the verifier"
     assert valid_accepted >= valid // 2, (valid_accepted, valid)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_check_token_refuses_a_token_whose_forced_continuation_is_refused(backend: str) -> None:
+    """One step ahead: ``0`` where the grammar then forces ``}`` (or allows only EOS) and the
+    schema refuses 0 is refused at ``0``, not left a dead end at the next step."""
+    grammar_backend = get_backend(backend)(BYTE_VOCAB)
+    obj = {"type": "object", "additionalProperties": False, "required": ["n"],
+           "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9,
+                                "not": {"enum": [0, 1]}}}}  # fmt: skip
+    for schema, prefix in ((obj, b'{"n":'), (obj["properties"]["n"], b"")):
+        m = grammar_backend.compile(Constraint.from_params(json_schema=schema)).new_matcher()
+        assert m.accept_tokens(list(prefix))
+        refused = {chr(t) for t in b"0123456789" if m.check_token(t) is not None}
+        assert refused == {"0", "1"}, (schema, refused)
+        assert m.num_accepted == len(prefix)  # checking changed nothing
+        assert m.accept_token(ord("0"))  # its own bytes complete nothing: accepted
+    # inside a string: after "x the grammar forces a" and the quote completes a refused value
+    text = {"type": "string", "pattern": "^(xa|yb)$", "not": {"pattern": "^x"}}
+    m = grammar_backend.compile(Constraint.from_params(json_schema=text)).new_matcher()
+    assert m.accept_token(ord('"'))
+    assert m.check_token(ord("x")) == "not" and m.check_token(ord("y")) is None
+
+
+def _chain(depth: int) -> Any:
+    """``{"a": {"a": ... {}}}`` with the empty object ``depth`` levels down."""
+    value: Any = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+# Depth counters intersected: a chain of "a" whose empty object lies at a depth d with
+# d % 2 == 1 and d % 3 == 2 (d = 5, 11, 17, ...), d = 5 excluded by ``not``. The backends cannot
+# intersect recursive references; normalization unrolls them to a depth, then the verifier.
+MOD6 = {
+    "allOf": [{"$ref": "#/$defs/word"}, {"$ref": "#/$defs/x0"}, {"$ref": "#/$defs/y0"},
+              {"not": {"const": _chain(5)}}],
+    "$defs": {
+        "word": {"type": "object", "properties": {"a": {"$ref": "#/$defs/word"}},
+                 "additionalProperties": False},
+        "x0": {"additionalProperties": {"$ref": "#/$defs/x1"}, "minProperties": 1},
+        "x1": {"additionalProperties": {"$ref": "#/$defs/x0"}},
+        "y0": {"additionalProperties": {"$ref": "#/$defs/y1"}, "minProperties": 1},
+        "y1": {"additionalProperties": {"$ref": "#/$defs/y2"}, "minProperties": 1},
+        "y2": {"additionalProperties": {"$ref": "#/$defs/y0"}},
+    },
+}  # fmt: skip
+# Several patterns on one string through $ref, and a long minLength beside them.
+REF_PATTERNS = {
+    "allOf": [{"$ref": "#/$defs/p0"}, {"$ref": "#/$defs/p1"}],
+    "minLength": 70,
+    "$defs": {"p0": {"pattern": "^([a-z][0-9])+$"}, "p1": {"pattern": "(t8){3}$"}},
+}
+
+
+def test_conjunctions_the_backends_cannot_intersect_go_to_the_verifier() -> None:
+    """Depth-unrolled recursive ``allOf`` and patterns behind ``$ref``: llguidance compiles the
+    relaxation; grammar + verifier accept exactly what ``jsonschema`` validates."""
+    grammar_backend = get_backend("llguidance")(BYTE_VOCAB)
+    strings = ["a1" * 32 + "t8t8t8", "a1" * 36, "a1" * 10 + "t8t8t8", "b2" * 40 + "t8" * 3]
+    groups = [(MOD6, [_chain(d) for d in range(0, 48)]), (REF_PATTERNS, strings)]
+    for schema, instances in groups:
+        c = Constraint.from_params(json_schema=schema)
+        assert c is not None
+        grammar_backend.validate(c)
+        compiled = grammar_backend.compile(c)
+        assert isinstance(compiled, VerifiedGrammar)
+        validator = jsonschema.Draft202012Validator(schema)
+        accepted = 0
+        for value in instances:
+            text = json.dumps(value, separators=(",", ":"))
+            ok = grammar_accepts(compiled.new_matcher(), text)
+            assert ok == validator.is_valid(value), text[:80]
+            accepted += ok
+        assert accepted >= 2  # chains of depth 11, 17, ...; two of the strings

@@ -152,6 +152,13 @@ function renderCards(p) {
   text("page-size", String(m.page_size));
   text("evict-rate", fmtRate(r.evictions_per_s));
   text("retract-rate", fmtRate(r.retractions_per_s));
+  const t = p.tier;
+  if (t) {
+    text("tier-pages", fmtInt(t.pages) + " / " + (t.used_bytes / 1e6).toFixed(1) + " MB");
+    text("tier-hits", fmtInt(t.hit_tokens));
+    text("tier-load", fmtInt(t.loaded_pages) + " pages in " + fmtMs(t.load_seconds));
+    text("tier-where", t.storage + (t.write_errors ? ", " + t.write_errors + " failed writes" : ""));
+  }
 }
 
 // ---------------------------------------------------------------- tree (icicle)

@@ -1,0 +1,301 @@
+"""Generation under schemas that need the verifier, on the real default model: is every output
+valid, and what does the checker do and cost, per keyword.
+
+    .venv/bin/python benchmarks/bench_verifier.py [--samples 8] [--max-tokens 160]
+        [--temperature 0.8] [--keywords uniqueItems,not,...] [--maskbench PATH --real 20]
+        [--dtype bfloat16] [--threads 2] [--out benchmarks/results/verifier.json] [--smoke]
+
+Groups: one per keyword the grammar cannot express (``KEYWORD_SCHEMAS``: small schemas a
+135M model can fill, each needing the verifier for that keyword), ``tools`` (the same keywords
+in a tool's ``parameters``, through the ``tool_calls`` constraint), and with ``--maskbench``
+``real``: up to ``--real`` schemas of jsonschemabench's maskbench folder (sorted names, every
+subset but the reserved Kubernetes / JsonSchemaStore) that compile strictly and need the
+verifier (``strict.verified_keywords``). Each group is one batch of ``--samples`` sampled
+generations per schema (seeds 0..N-1) on one engine (default backend, strict mode).
+
+Per generation: ``valid`` (finished, parses, validates with ``jsonschema`` and its format
+checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` reached),
+``dead_end`` (the request ended with ``grammar_dead_end``: every continuation refused),
+``invalid`` (finished but ``jsonschema`` rejects it: must be 0) or ``error`` (anything else).
+
+Per group, from the engine's grammar step (counters read before and after the batch): the
+verifier's events per keyword (``masked``: sampled tokens refused and masked, ``resampled``:
+redraws, ``dead_ends``), the seconds spent checking sampled tokens (``verifier_s``) and in
+the whole grammar step (masks, accept, jump-forward, checks: ``grammar_s``), per generated
+token (``verifier_us_per_token``) and as a share of the batch's wall time. The wall includes
+prefill and the batch's tail, so the shares are a lower bound of the per-decode-step share;
+run it on a quiet box for figures. ``--smoke``: two schemas, two samples, 48 tokens (a check
+that the script runs, nothing to report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from radixlm import Engine, SamplingParams
+from radixlm.runtime.grammar.strict import verified_keywords
+from radixlm.tool_calls import parse_tool_calls
+
+KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "uniqueItems": {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 10},
+                                "uniqueItems": True, "minItems": 3, "maxItems": 5}},
+        "required": ["tags"], "additionalProperties": False,
+    },
+    "not": {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99,
+                             "not": {"enum": [0, 1, 7, 10, 42]}},
+                       "word": {"type": "string", "maxLength": 12, "not": {"const": "hello"}}},
+        "required": ["n", "word"], "additionalProperties": False,
+    },
+    "propertyNames": {
+        "type": "object", "propertyNames": {"pattern": "^[a-z]{2,6}$"},
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minProperties": 2, "maxProperties": 4,
+    },
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^(?!test)[a-z]{3,8}$"}},
+        "required": ["code"], "additionalProperties": False,
+    },
+    "if": {
+        "type": "object",
+        "properties": {"kind": {"enum": ["small", "large"]},
+                       "size": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["kind", "size"], "additionalProperties": False,
+        "if": {"properties": {"size": {"minimum": 50}}},
+        "then": {"properties": {"kind": {"const": "large"}}},
+        "else": {"properties": {"kind": {"const": "small"}}},
+    },
+    "oneOf": {
+        "type": "object",
+        "properties": {"v": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 50},
+                                       {"type": "integer", "minimum": 20, "maximum": 90}]}},
+        "required": ["v"], "additionalProperties": False,
+    },
+    "contains": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "contains": {"const": 7}, "minItems": 2, "maxItems": 6,
+    },
+    "unevaluatedProperties": {
+        "type": "object",
+        "allOf": [{"properties": {"id": {"type": "integer", "minimum": 1, "maximum": 999}}}],
+        "properties": {"name": {"type": "string", "maxLength": 12}},
+        "required": ["id", "name"], "unevaluatedProperties": False,
+    },
+}  # fmt: skip
+RESERVED = ("Kubernetes", "JsonSchemaStore")  # issue 26: kept for independent checks
+
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    schema: Any  # the arguments' schema for the tools group
+    tool: bool = False
+
+
+@dataclass
+class Outcome:
+    group: str
+    name: str
+    seed: int
+    status: str  # valid | cut | dead_end | invalid | error
+    tokens: int
+    detail: str = ""
+
+
+def keyword_cases(keywords: list[str]) -> list[Case]:
+    cases = [Case(k, k, KEYWORD_SCHEMAS[k]) for k in keywords]
+    for k in keywords[:3]:  # the same keywords in a tool's parameters
+        if KEYWORD_SCHEMAS[k].get("type") == "object":
+            cases.append(Case("tools", k, KEYWORD_SCHEMAS[k], tool=True))
+    return cases
+
+
+def real_cases(folder: Path, limit: int) -> list[Case]:
+    """Maskbench schemas that need the verifier and compile strictly (sorted, first ``limit``)."""
+    from radixlm.runtime.grammar.base import get_backend
+    from radixlm.runtime.grammar.constraint import Constraint
+    from radixlm.runtime.grammar.errors import GrammarError
+    from radixlm.runtime.grammar.vocab import TokenVocab
+    from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path(None))
+    vocab = TokenVocab.from_tokenizer(tok, len(tok), [tok.eos_token_id])
+    backend = get_backend("auto")(vocab)
+    out: list[Case] = []
+    for path in sorted(folder.glob("*.json")):
+        if path.name.split("---")[0] in RESERVED or len(out) >= limit:
+            continue
+        schema = json.loads(path.read_text()).get("schema")
+        try:
+            c = Constraint.from_params(json_schema=schema)
+            if c is None or not verified_keywords(c.spec):
+                continue
+            backend.validate(c)
+            backend.compile(c)
+        except (GrammarError, ValueError):
+            continue
+        out.append(Case("real", path.stem, schema))
+    return out
+
+
+def _validates(schema: Any, value: Any) -> list[str]:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    errors = cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value)
+    return [e.message[:120] for e in errors]
+
+
+def judge(case: Case, seed: int, result: Any) -> Outcome:
+    out = result.outputs[0]
+    n = len(out.output_token_ids)
+    if out.finish_reason == "error":
+        status = "dead_end" if out.error_code == "grammar_dead_end" else "error"
+        return Outcome(case.group, case.name, seed, status, n, str(out.error)[:160])
+    if out.finish_reason == "length":
+        return Outcome(case.group, case.name, seed, "cut", n)
+    try:
+        if case.tool:
+            calls = parse_tool_calls(out.text).calls
+            errors = [m for c in calls for m in _validates(case.schema, c.args)]
+            errors += [] if calls else ["no tool call"]
+        else:
+            errors = _validates(case.schema, json.loads(out.text))
+    except ValueError as exc:  # not JSON
+        errors = [f"not JSON: {exc}"[:120]]
+    return Outcome(case.group, case.name, seed, "invalid" if errors else "valid", n,
+                   "; ".join(errors[:2]))  # fmt: skip
+
+
+def params_for(case: Case, seed: int, args: argparse.Namespace) -> SamplingParams:
+    if case.tool:
+        spec = {"mode": "required", "parallel": False,
+                "tools": [{"name": "record", "parameters": case.schema}]}  # fmt: skip
+        constraint: dict[str, Any] = {"tool_calls": spec}
+    else:
+        constraint = {"json_schema": case.schema}
+    return SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+                          seed=seed, constraint=constraint)  # fmt: skip
+
+
+def prompt_for(engine: Engine, case: Case) -> str:
+    if case.tool:
+        ask = ("Call the function record with arguments matching this JSON schema:\n"
+               + json.dumps(case.schema))  # fmt: skip
+    else:
+        ask = "Write one JSON value that matches this JSON schema:\n" + json.dumps(case.schema)
+    return engine.apply_chat_template([{"role": "user", "content": ask[:4000]}])
+
+
+def _counters(engine: Engine) -> tuple[float, float, dict[str, dict[str, int]]]:
+    step = engine.scheduler.appender.grammar
+    if step is None:
+        return 0.0, 0.0, {}
+    return step.seconds, step.verifier_seconds, step.verifier_events()
+
+
+def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict:
+    out = {}
+    for k, row in after.items():
+        d = {e: n - before.get(k, {}).get(e, 0) for e, n in row.items()}
+        if any(d.values()):
+            out[k] = d
+    return out
+
+
+def run_group(engine: Engine, group: str, cases: list[Case], args: argparse.Namespace) -> dict:
+    jobs = [(c, s) for c in cases for s in range(args.samples)]
+    prompts = [prompt_for(engine, c) for c, _ in jobs]
+    params = [params_for(c, s, args) for c, s in jobs]
+    g0, v0, e0 = _counters(engine)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    g1, v1, e1 = _counters(engine)
+    outcomes = [judge(c, s, r) for (c, s), r in zip(jobs, results)]
+    tokens = sum(o.tokens for o in outcomes)
+    counts = Counter(o.status for o in outcomes)
+    return {
+        "group": group,
+        "schemas": [c.name for c in cases],
+        "needs": sorted({k for c in cases for k in _needs(c)}),
+        "n": len(outcomes),
+        **{k: counts.get(k, 0) for k in ("valid", "cut", "dead_end", "invalid", "error")},
+        "tokens": tokens,
+        "wall_s": wall,
+        "grammar_s": g1 - g0,
+        "verifier_s": v1 - v0,
+        "verifier_us_per_token": 1e6 * (v1 - v0) / max(tokens, 1),
+        "grammar_share": (g1 - g0) / wall,
+        "verifier_share": (v1 - v0) / wall,
+        "events": _delta(e1, e0),
+        "outcomes": [asdict(o) for o in outcomes],
+    }
+
+
+def _needs(case: Case) -> list[str]:
+    return verified_keywords(json.dumps(case.schema))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--keywords", default=",".join(KEYWORD_SCHEMAS))
+    ap.add_argument("--maskbench", type=Path, help="jsonschemabench's maskbench/data/ folder")
+    ap.add_argument("--real", type=int, default=20, help="real schemas with --maskbench")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="tiny run: the script works")
+    args = ap.parse_args()
+    keywords = [k for k in args.keywords.split(",") if k]
+    if args.smoke:
+        args.samples, args.max_tokens, keywords = 2, 48, ["uniqueItems", "not"]
+    groups: dict[str, list[Case]] = {}
+    for case in keyword_cases(keywords):
+        groups.setdefault(case.group, []).append(case)
+    if args.maskbench:
+        groups["real"] = real_cases(args.maskbench, 2 if args.smoke else args.real)
+    engine = Engine(None, dtype=args.dtype, num_threads=args.threads)
+    rows = []
+    try:
+        for group, cases in groups.items():
+            if cases:
+                rows.append(run_group(engine, group, cases, args))
+    finally:
+        engine.shutdown()
+    print(f"{'group':<22} {'n':>4} {'valid':>6} {'cut':>5} {'dead':>5} {'inval':>6} "
+          f"{'err':>4} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7}  events")  # fmt: skip
+    for r in rows:
+        events = ", ".join(f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}"
+                           for k, v in sorted(r["events"].items()))  # fmt: skip
+        print(f"{r['group']:<22} {r['n']:>4} {r['valid']:>6} {r['cut']:>5} {r['dead_end']:>5} "
+              f"{r['invalid']:>6} {r['error']:>4} {r['verifier_us_per_token']:>11.1f} "
+              f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}%  "
+              f"{events}")  # fmt: skip
+    print("events per keyword: masked/resampled/dead_ends")
+    for r in rows:
+        for o in r["outcomes"]:
+            if o["status"] in ("invalid", "error"):
+                print(f"  {o['status']}: {r['group']}/{o['name']} seed {o['seed']}: {o['detail']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {k: str(v) for k, v in vars(args).items()}
+        args.out.write_text(json.dumps({"args": meta, "groups": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

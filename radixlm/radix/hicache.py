@@ -1,0 +1,241 @@
+"""Hierarchical cache: the radix tree's pool pages over a second tier (``TierStore``).
+
+``HiCache`` owns the tier store and its counters; the tree and the pool stay the
+``RadixCache``'s. Pages move between tiers at two moments only:
+
+- **down, on eviction (write-back)**: ``RadixCache.evict`` calls ``on_evict`` with the pages it
+  is about to free, while their K/V are still intact; each page not already in the tier is read
+  through the ``PageIO`` and stored under its ``page_key``. ``write_back_all`` does the same for
+  every tree page (a clean shutdown, so that a restart finds them).
+- **up, on a match (load)**: after the pool match, ``load`` finds the consecutive next pages of
+  the prompt in the tier, allocates fresh pool pages for them (evicting cached leaves when
+  short), writes the payloads in and hands the pages to the caller, who holds one ref on each
+  and inserts them into the tree like computed pages.
+
+Invariants: only pages that were in the tree enter the tier, so only whole, computed (verified)
+pages do; a tier page is found only under the key of its whole prefix; a payload that fails
+verification is never written into the pool (the store drops it, the page is recomputed);
+``load`` never takes pages below ``reserve`` free ones and never touches a held page.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from radixlm.radix.radix_cache import RadixCache
+from radixlm.radix.tier import TierStore, namespace_key, next_key, page_keys
+
+logger = logging.getLogger(__name__)
+
+
+class PageIO(Protocol):
+    """Reads and writes the K/V of whole pool pages as opaque payloads (the runtime's codec)."""
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]: ...
+
+    def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+
+
+@dataclass(frozen=True)
+class HiCacheStats:
+    """The tier's occupancy and cumulative traffic."""
+
+    pages: int
+    used_bytes: int
+    capacity_bytes: int
+    hit_tokens: int  # prompt tokens loaded from the tier instead of computed
+    loaded_pages: int
+    prefetched_pages: int  # of those, read by a background ``fetch`` before admission
+    load_seconds: float  # spent reading the tier (in the background too) and writing pool pages
+    stored_pages: int  # written to the tier (evictions, shutdown write-back)
+    dropped_pages: int  # corrupt / truncated / foreign pages dropped
+    write_errors: int
+    storage: str  # "host" or the directory of the file store
+
+
+class HiCache:
+    def __init__(
+        self,
+        cache: RadixCache,
+        store: TierStore,
+        io: PageIO,
+        storage: str = "host",
+        write_through: bool = False,
+    ) -> None:
+        self.cache = cache
+        self.write_through = write_through
+        self.pool = cache.pool
+        self.page_size = cache.page_size
+        self.store = store
+        self.io = io
+        self.storage = storage
+        self._hit_tokens = 0
+        self._loaded_pages = 0
+        self._prefetched_pages = 0
+        self._load_seconds = 0.0  # written by the loop thread (``load``)
+        self._fetch_seconds = 0.0  # written by the fetching thread (``fetch``)
+        self._stored_pages = 0
+        self._io_failed_logged = False
+        cache.evict_listener = self.on_evict
+
+    # ---- down: eviction --------------------------------------------------------------------------
+    def on_evict(
+        self, namespace: Hashable | None, prefix: tuple[int, ...], victims: list[int]
+    ) -> None:
+        """``prefix`` ends with the ``victims``' tokens: store the pages the tier lacks."""
+        keys = list(page_keys(prefix, self.page_size, namespace))[-len(victims) :]
+        self._store([(k, p) for k, p in zip(keys, victims, strict=True)])
+
+    def on_cached(
+        self, namespace: Hashable | None, tokens: Sequence[int], pages: Sequence[int]
+    ) -> int:
+        """Write-through: ``pages`` (whole, in the tree) hold ``tokens``; store those the tier
+        lacks. Returns the pages stored."""
+        keys = page_keys(tokens, self.page_size, namespace)
+        return self._store(list(zip(keys, pages, strict=True)))
+
+    def write_back_all(self) -> int:
+        """Store every tree page the tier lacks (a clean shutdown); returns the pages stored.
+
+        Deepest pages first, so that shared prefixes (system prompts) are the most recently
+        used in the tier's LRU and outlive the rest when it overflows."""
+        todo: list[tuple[int, bytes, int]] = []
+        ps = self.page_size
+        for ns in list(self.cache.roots()):
+            memo: dict[tuple[int, ...], bytes] = {(): namespace_key(ns)}
+            for prefix, page in sorted(self.cache.page_map(ns).items(), key=lambda e: len(e[0])):
+                key = memo[prefix] = next_key(memo[prefix[:-ps]], prefix[-ps:])
+                todo.append((len(prefix), key, page))
+        todo.sort(key=lambda e: -e[0])
+        return self._store([(key, page) for _, key, page in todo])
+
+    def _store(self, pairs: list[tuple[bytes, int]]) -> int:
+        pairs = [(k, p) for k, p in pairs if not self.store.contains(k)]
+        if not pairs:
+            return 0
+        try:
+            payloads = self.io.read_pages([p for _, p in pairs])
+        except Exception:  # noqa: BLE001 - the tier is an optimization: never fail eviction
+            if not self._io_failed_logged:
+                self._io_failed_logged = True
+                logger.exception("hicache: reading pages for the tier failed (logged once)")
+            return 0
+        stored = 0
+        for (key, _), payload in zip(pairs, payloads, strict=True):
+            stored += self.store.put(key, payload)
+        self._stored_pages += stored
+        return stored
+
+    # ---- up: load on a match ---------------------------------------------------------------------
+    def has_next(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> bool:
+        """Whether the tier holds the page of ``tokens`` right after ``start`` (page-aligned)
+        tokens: O(start / page_size) hashes, no read."""
+        ps = self.page_size
+        if len(tokens) - start < ps or self.store.stats().pages == 0:
+            return False
+        keys = page_keys(tokens[: start + ps], ps, namespace)
+        *_, key = keys
+        return self.store.contains(key)
+
+    def fetch(
+        self, tokens: Sequence[int], namespace: Hashable | None, start: int
+    ) -> dict[bytes, bytes]:
+        """Read and verify the tier's consecutive pages of ``tokens`` after ``start`` tokens
+        (at most a pool's worth), by key. Touches only the store, which is thread-safe: a
+        background thread calls this while the forward runs, and ``load`` takes the result."""
+        ps, out = self.page_size, {}
+        t0 = time.perf_counter()
+        for i, key in enumerate(page_keys(tokens, ps, namespace)):
+            if i * ps < start:
+                continue
+            if len(out) >= self.pool.num_pages:
+                break
+            payload = self.store.get(key)
+            if payload is None:
+                break
+            out[key] = payload
+        self._fetch_seconds += time.perf_counter() - t0
+        return out
+
+    def load(
+        self,
+        tokens: Sequence[int],
+        namespace: Hashable | None,
+        start: int,
+        reserve: int = 0,
+        prefetched: dict[bytes, bytes] | None = None,
+    ) -> list[int]:
+        """Pool pages holding the tier's copies of the whole pages of ``tokens`` after the first
+        ``start`` tokens (the pool match; page-aligned), consecutive from there. The caller holds
+        one ref on each page returned and must insert them into the tree (or release them).
+        Leaves at least ``reserve`` pages free; the caller's matched prefix must be locked.
+        ``prefetched`` (from ``fetch``) is used first; pages it lacks are read now."""
+        ps = self.page_size
+        if start % ps:
+            raise ValueError(f"load starts at {start}, not a page boundary of {ps}")
+        if len(tokens) - start < ps or (self.store.stats().pages == 0 and not prefetched):
+            return []
+        t0 = time.perf_counter()
+        payloads: list[bytes] = []
+        limit = self.pool.num_pages - self.pool.num_held - reserve  # free or evictable, at most
+        for i, key in enumerate(page_keys(tokens, ps, namespace)):
+            if i * ps < start:
+                continue
+            if len(payloads) >= limit:
+                break
+            payload = prefetched.pop(key, None) if prefetched else None
+            if payload is not None:
+                self._prefetched_pages += 1
+            else:
+                payload = self.store.get(key)
+            if payload is None:
+                break
+            payloads.append(payload)
+        if not payloads:
+            return []
+        short = len(payloads) + reserve - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        n = max(0, min(len(payloads), self.pool.num_free - reserve))
+        pages = self.pool.alloc(n)
+        try:
+            self.io.write_pages(pages, payloads[:n])
+        except Exception:
+            self.pool.decref(pages)
+            raise
+        self._hit_tokens += n * ps
+        self._loaded_pages += n
+        self._load_seconds += time.perf_counter() - t0
+        return pages
+
+    # ---- control ---------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Drop every tier page (``/flush_cache``)."""
+        self.store.clear()
+
+    def close(self) -> None:
+        """Finish pending tier writes."""
+        self.store.close()
+
+    def stats(self) -> HiCacheStats:
+        s = self.store.stats()
+        return HiCacheStats(
+            pages=s.pages,
+            used_bytes=s.used_bytes,
+            capacity_bytes=s.capacity_bytes,
+            hit_tokens=self._hit_tokens,
+            loaded_pages=self._loaded_pages,
+            prefetched_pages=self._prefetched_pages,
+            load_seconds=self._load_seconds + self._fetch_seconds,
+            stored_pages=self._stored_pages,
+            dropped_pages=s.dropped_pages,
+            write_errors=s.write_errors,
+            storage=self.storage,
+        )
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()

@@ -1,0 +1,139 @@
+"""The runtime side of the second KV tier: the page codec over the pool's KV buffers, the
+store's identity, and building a ``HiCache`` from the engine's config.
+
+A page payload is the raw bytes of ``[2 * num_layers, page_size, num_kv_heads, head_dim]`` in
+the cache dtype: every layer's K rows of the page, then every layer's V rows. The identity
+(``kv_identity``) names everything that makes such bytes meaningful; a tier written under
+another identity is never read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from radixlm.config import CacheConfig
+from radixlm.kernels.forward_batch import KVCache
+from radixlm.radix import HiCache, HostTierStore, RadixCache, open_file_store
+
+logger = logging.getLogger(__name__)
+
+GB = 1024**3
+# files of a model directory that decide what its K/V are (weights, config, tokenizer)
+_MODEL_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".model", ".txt")
+
+
+class KVPageIO:
+    """Whole pool pages <-> payload bytes (``PageIO``), on any device (via host memory)."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.page_size = kv.page_size
+        buf = kv.k_buffers[0]
+        self.device = buf.device
+        self.dtype = buf.dtype
+        # [2 * L, page_size, Hkv, D] per page
+        self.page_shape = (2 * len(kv.k_buffers), self.page_size, *buf.shape[1:])
+
+    @property
+    def page_bytes(self) -> int:
+        n = 1
+        for d in self.page_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def _paged(self) -> list[torch.Tensor]:
+        """Every layer's K then V buffer viewed as ``[num_pages, page_size, Hkv, D]``."""
+        ps = self.page_size
+        return [b.view(-1, ps, *b.shape[1:]) for b in (*self.kv.k_buffers, *self.kv.v_buffers)]
+
+    def read_pages(self, pages: Sequence[int]) -> list[bytes]:
+        if not pages:
+            return []
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        out = torch.empty((len(pages), *self.page_shape), dtype=self.dtype, device=self.device)
+        for i, buf in enumerate(self._paged()):
+            out[:, i] = buf.index_select(0, idx)  # [P, ps, H, D]
+        raw = out.cpu().view(torch.uint8).reshape(len(pages), -1).numpy()  # [P, page bytes]
+        return [row.tobytes() for row in raw]
+
+    def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Two copies: the payloads into one host tensor, then each buffer's rows in place."""
+        if not pages:
+            return
+        pb = self.page_bytes
+        for p in payloads:
+            if len(p) != pb:
+                raise ValueError(f"page payload of {len(p)} bytes, expected {pb}")
+        host = torch.empty(len(pages) * pb, dtype=torch.uint8)
+        arr = host.numpy()
+        for i, p in enumerate(payloads):
+            arr[i * pb : (i + 1) * pb] = np.frombuffer(p, np.uint8)
+        data = host.view(self.dtype).view(len(pages), *self.page_shape).to(self.device)
+        idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+        for i, buf in enumerate(self._paged()):
+            buf.index_copy_(0, idx, data[:, i])  # [P, ps, H, D] strided source
+
+
+def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
+    out = []
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.name.endswith(_MODEL_FILE_SUFFIXES):
+            st = path.stat()
+            out.append((path.name, st.st_size, int(st.st_mtime)))
+    return out
+
+
+def kv_identity(
+    model_dir: Path, kv: KVCache, tokenizer: Any, rank: int = 0, tp_size: int = 1
+) -> dict[str, object]:
+    """What tier pages are valid for: the model files (path, names, sizes, mtimes), the cache
+    dtype, page size, KV layout, the tokenizer (class, vocabulary size) and the TP shard."""
+    buf = kv.k_buffers[0]
+    directory = model_dir if model_dir.is_dir() else model_dir.parent
+    return {
+        "model_path": str(model_dir.resolve()),
+        "model_files": _files_identity(directory),
+        "dtype": str(buf.dtype),
+        "page_size": kv.page_size,
+        "num_layers": len(kv.k_buffers),
+        "num_kv_heads": int(buf.shape[1]),
+        "head_dim": int(buf.shape[2]),
+        "tokenizer": f"{type(tokenizer).__name__}:{len(tokenizer)}",
+        "tp": f"{rank}/{tp_size}",
+    }
+
+
+def make_hicache(
+    config: CacheConfig,
+    cache: RadixCache,
+    kv: KVCache,
+    model_dir: Path,
+    tokenizer: Any,
+) -> HiCache | None:
+    """The second tier, or None when it is off (``EngineConfig`` refuses it with tensor
+    parallel)."""
+    if not config.hicache_enabled:
+        if config.enable_hierarchical_cache or config.hicache_storage_dir is not None:
+            logger.warning("hicache: the second KV tier needs the prefix cache; it stays off")
+        return None
+    io = KVPageIO(kv)
+    capacity = int(config.hicache_size * GB)
+    if config.hicache_storage_dir is None:
+        store = HostTierStore(capacity)
+        where = "host"
+    else:
+        identity = kv_identity(model_dir, kv, tokenizer)
+        store = open_file_store(config.hicache_storage_dir, identity, capacity, rank=0)
+        where = str(store.directory)
+    logger.info(
+        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB), %s",
+        where, config.hicache_size, capacity // io.page_bytes, io.page_bytes / 1024,
+        config.hicache_write_policy,
+    )  # fmt: skip
+    return HiCache(cache, store, io, where, config.hicache_write_policy == "write_through")

@@ -1,0 +1,56 @@
+"""Pure parts of benchmarks/bench_verifier.py: each keyword group's schema needs the verifier
+for exactly that keyword (the benchmark measures what it says), and outputs are judged by
+``jsonschema``. The generation itself never runs in tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from radixlm.runtime.grammar.strict import verified_keywords
+from radixlm.tool_calls import format_tool_call
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> Any:
+    path = ROOT / "benchmarks" / "bench_verifier.py"
+    spec = importlib.util.spec_from_file_location("bench_verifier", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_verifier"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bv = _load()
+
+
+@pytest.mark.parametrize("keyword", sorted(bv.KEYWORD_SCHEMAS))
+def test_each_group_needs_the_verifier_for_its_keyword(keyword: str) -> None:
+    assert verified_keywords(json.dumps(bv.KEYWORD_SCHEMAS[keyword])) == [keyword]
+
+
+def _result(text: str, reason: str = "stop", code: str | None = None) -> Any:
+    out = SimpleNamespace(output_token_ids=[1, 2], finish_reason=reason, text=text,
+                          error_code=code, error="e" if code else None)  # fmt: skip
+    return SimpleNamespace(outputs=[out])
+
+
+def test_outputs_are_judged_by_jsonschema() -> None:
+    case = bv.Case("uniqueItems", "uniqueItems", bv.KEYWORD_SCHEMAS["uniqueItems"])
+    assert bv.judge(case, 0, _result('{"tags":["a","b","c"]}')).status == "valid"
+    assert bv.judge(case, 0, _result('{"tags":["a","b","a"]}')).status == "invalid"
+    assert bv.judge(case, 0, _result('{"tags":', "length")).status == "cut"
+    dead = _result("", "error", "grammar_dead_end")
+    assert bv.judge(case, 0, dead).status == "dead_end"
+    tool = bv.Case("tools", "uniqueItems", case.schema, tool=True)
+    call = format_tool_call("record", '{"tags":["x","y","z"]}')
+    assert bv.judge(tool, 0, _result(call)).status == "valid"
+    assert bv.judge(tool, 0, _result("no call")).status == "invalid"
