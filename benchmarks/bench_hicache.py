@@ -15,9 +15,9 @@ user turns and replies) plus a new user message of about `--turn-tokens` tokens;
 user comes after turn t - 1 of all users (in a shuffled order), so a returning user finds that
 the others have pushed their conversation out of the pool. The KV pool is sized to
 `--pool-fraction` of the trace's working set (radixlm `--num-pages`; vLLM
-`--num-gpu-blocks-override`, block size 16). Prompts are token ids (the same for every system);
-replies in the trace are synthetic (greedy outputs are not fed back) so every system sees the
-same prompts. `--concurrency` clients send in trace order; a user's next turn waits for the
+`--num-gpu-blocks-override`, block size 32: its CPU build refuses 16). Prompts are token ids
+(the same for every system); replies in the trace are synthetic (greedy outputs are not fed
+back) so every system sees the same prompts. `--concurrency` clients send in trace order; a user's next turn waits for the
 previous one.
 
 `--codec-only` measures only the tier's data path, no server: the page codec (pool pages <->
@@ -63,7 +63,8 @@ from bench_peers import (  # noqa: E402
 from serving import RequestResult, _free_port, percentile, stream_request  # noqa: E402
 
 SYSTEMS = ("radixlm-tier", "radixlm-tier-wt", "radixlm", "vllm")
-PAGE = 16  # tokens per KV page / block, both servers
+PAGE = 16  # tokens per KV page (radixlm)
+VLLM_CPU_BLOCK = 32  # vLLM's CPU attention takes multiples of 32 ("No common block size for 16")
 TOKEN_RANGE = (1000, 40000)  # plain word-piece ids of the default model's vocabulary
 
 
@@ -198,8 +199,10 @@ def spec_for(system: str, args: argparse.Namespace, port: int, num_pages: int, s
         return ServerSpec(system, spec.cmd, spec.env, spec.ready_timeout_s)
     venv = ensure_vllm_venv(args.vllm_venv)
     spec = vllm_spec(port, venv, args.model_dir, args.threads)
-    extra = ["--enable-prefix-caching", "--block-size", str(PAGE),
-             "--num-gpu-blocks-override", str(num_pages)]  # fmt: skip
+    # vLLM's CPU attention takes blocks of a multiple of 32 tokens: the same pool in tokens.
+    block = VLLM_CPU_BLOCK
+    extra = ["--enable-prefix-caching", "--block-size", str(block),
+             "--num-gpu-blocks-override", str(num_pages * PAGE // block)]  # fmt: skip
     return ServerSpec(spec.system, [*spec.cmd, *extra], spec.env, spec.ready_timeout_s)
 
 
