@@ -250,7 +250,10 @@ class FileTierStore(TierStore):
         self.directory.mkdir(parents=True, exist_ok=True)
         self.identity = identity
         self.fsync = fsync
-        self._pending: dict[bytes, bytes] = {}
+        # key -> [payload]: a fresh one-element list per put, so the writer can tell "the put it
+        # read is still the wanted one" by identity even when the same bytes object is put
+        # again after a drop (comparing the payloads themselves would confuse the two puts).
+        self._pending: dict[bytes, list[bytes]] = {}
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._idle = threading.Condition(self._lock)
         self._write_failed_logged = False
@@ -263,7 +266,7 @@ class FileTierStore(TierStore):
 
     # ---- TierStore hooks ------------------------------------------------------------------------
     def _store(self, key: bytes, payload: bytes) -> None:
-        self._pending[key] = payload
+        self._pending[key] = [payload]
         if self._writer.is_alive():
             self._queue.put(key)
         else:
@@ -273,7 +276,7 @@ class FileTierStore(TierStore):
         with self._lock:
             pending = self._pending.get(key)
         if pending is not None:
-            return pending
+            return pending[0]
         try:
             data = self.path(key).read_bytes()
         except OSError:
@@ -311,16 +314,16 @@ class FileTierStore(TierStore):
     def _write_one(self, key: bytes) -> None:
         """Write ``key``'s pending payload (if still wanted); a failure drops the page."""
         with self._lock:
-            payload = self._pending.get(key)
-        if payload is None:
+            entry = self._pending.get(key)
+        if entry is None:
             return  # dropped or cleared before it was written
         try:
-            self._write_file(key, payload)
+            self._write_file(key, entry)
             failed = None
         except OSError as exc:
             failed = exc
         with self._idle:
-            current = self._pending.get(key) is payload
+            current = self._pending.get(key) is entry
             if current:
                 del self._pending[key]
             if failed is not None:
@@ -336,9 +339,9 @@ class FileTierStore(TierStore):
                     )  # fmt: skip
             self._idle.notify_all()
 
-    def _write_file(self, key: bytes, payload: bytes) -> None:
+    def _write_file(self, key: bytes, entry: list[bytes]) -> None:
         tmp = self.directory / f".{key.hex()}.{threading.get_ident()}.tmp"
-        data = encode_page_file(self.identity, key, payload)
+        data = encode_page_file(self.identity, key, entry[0])
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -346,7 +349,7 @@ class FileTierStore(TierStore):
                     f.flush()
                     os.fsync(f.fileno())
             with self._lock:
-                if self._pending.get(key) is payload:  # still wanted (not dropped or cleared)
+                if self._pending.get(key) is entry:  # still wanted (not dropped or cleared)
                     os.replace(tmp, self.path(key))
                     return
         except OSError:

@@ -107,6 +107,35 @@ def test_reindex_after_restart_and_crash_leftovers(tmp_path: Path) -> None:
         again.close()
 
 
+def test_a_page_dropped_and_put_again_while_its_file_is_written_is_kept(tmp_path: Path) -> None:
+    """The writer has just written key k's file when k is dropped (its file removed) and put
+    again with the very same bytes object: the second put must still be written (the writer
+    tells the two puts apart, not by their payloads), so the page survives a restart."""
+    store = FileTierStore(tmp_path, 1000, ID, fsync=False)
+    k, payload = _key(1), b"p" * 32
+    real = store._write_file
+    raced: list[bool] = []
+
+    def write_then_race(key: bytes, entry) -> None:
+        real(key, entry)
+        if not raced:  # on the writer thread, between the rename and forgetting the put
+            raced.append(True)
+            store.drop(key)
+            assert store.put(key, payload)
+
+    store._write_file = write_then_race  # type: ignore[method-assign]
+    assert store.put(k, payload)
+    store.wait_writes()
+    assert raced and store.contains(k) and store.path(k).exists()
+    assert store.get(k) == payload
+    store.close()
+    again = FileTierStore(tmp_path, 1000, ID)
+    try:
+        assert again.keys() == [k]
+    finally:
+        again.close()
+
+
 def test_corrupt_payload_is_dropped_on_read(tmp_path: Path) -> None:
     store = FileTierStore(tmp_path, 1000, ID)
     store.put(_key(1), b"a" * 20)
