@@ -17,8 +17,8 @@ the others have pushed their conversation out of the pool. The KV pool is sized 
 `--pool-fraction` of the trace's working set (radixlm `--num-pages`; vLLM
 `--num-gpu-blocks-override`, block size 32: its CPU build refuses 16). Prompts are token ids
 (the same for every system); replies in the trace are synthetic (greedy outputs are not fed
-back) so every system sees the same prompts. `--concurrency` clients send in trace order; a user's next turn waits for the
-previous one.
+back) so every system sees the same prompts. `--concurrency` clients send in trace order; a
+user's next turn waits for the previous one.
 
 `--codec-only` measures only the tier's data path, no server: the page codec (pool pages <->
 bytes) and the file store's write / read+verify bandwidth in GB/s for a KV layout

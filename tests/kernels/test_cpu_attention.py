@@ -104,7 +104,7 @@ def test_head_dim_not_multiple_of_16_uses_the_twin(paged_case, caplog):
 
 def test_split_heuristic_single_long_decode(paged_case):
     """Batch 1 with a long context splits (fills the threads); many short decodes do not."""
-    from radixlm.kernels.cpu.backend import choose_num_kv_splits
+    from radixlm.kernels.cpu.plan import choose_num_kv_splits
 
     assert choose_num_kv_splits(1, 4096, 2) > 1
     assert choose_num_kv_splits(64, 512, 2) == 1

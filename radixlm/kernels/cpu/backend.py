@@ -23,25 +23,12 @@ from radixlm.kernels.cpu.plan import PlanConfig, WorkPlan, plan_work
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
-from radixlm.kernels.split_kv import num_kv_splits
 
 logger = logging.getLogger(__name__)
 
 _op = load_op()
 if _op is None:
     raise ImportError(f"the compiled CPU attention op could not be built or loaded: {load_error()}")
-
-
-def choose_num_kv_splits(
-    num_decode: int,
-    seq_len: int,
-    num_threads: int,
-    max_splits: int = 16,
-    min_tokens_per_split: int = 256,
-) -> int:
-    """Split-KV factor for one decode row: one task per decode row (all KV heads), ~4 tasks
-    per thread wanted (`radixlm.kernels.split_kv`)."""
-    return num_kv_splits(num_decode, 4 * num_threads, seq_len, max_splits, min_tokens_per_split)
 
 
 @register_attention_backend("cpu")

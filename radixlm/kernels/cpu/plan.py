@@ -54,6 +54,18 @@ class WorkPlan:
     num_shared_items: int
 
 
+def choose_num_kv_splits(
+    num_decode: int,
+    seq_len: int,
+    num_threads: int,
+    max_splits: int = 16,
+    min_tokens_per_split: int = 256,
+) -> int:
+    """Split-KV factor for one decode row: one task per decode row (all KV heads), ~4 tasks
+    per thread wanted (`radixlm.kernels.split_kv`)."""
+    return num_kv_splits(num_decode, 4 * num_threads, seq_len, max_splits, min_tokens_per_split)
+
+
 def _bounds(lo: int, hi: int, pieces: int) -> list[tuple[int, int]]:
     """`[lo, hi)` cut into `pieces` non-empty runs (`pieces <= hi - lo`)."""
     n = hi - lo
@@ -114,8 +126,8 @@ def plan_work(
     def splits_for(n: int) -> int:
         if cfg.force_num_kv_splits is not None:
             return min(cfg.force_num_kv_splits, n)
-        return num_kv_splits(
-            num_decode, 4 * cfg.threads, n, cfg.max_kv_splits, cfg.min_tokens_per_split
+        return choose_num_kv_splits(
+            num_decode, n, cfg.threads, cfg.max_kv_splits, cfg.min_tokens_per_split
         )
 
     grouped: set[int] = set()
