@@ -79,7 +79,7 @@ def case_ms(b: int, ctx: int, shared: int, iters: int) -> dict[str, float]:
         "batch": b,
         "context": ctx,
         "shared": shared,
-        "shared_items": backends["on"].num_shared_items,
+        "shared_items": backends["on"].plan.num_shared_items,
         "on_ms": on,
         "off_ms": off,
         "speedup": off / on,

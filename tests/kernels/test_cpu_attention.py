@@ -57,7 +57,7 @@ def check(case, splits: int | None = None) -> int:
     # The twin computes in q's dtype (bf16 SDPA): allow its error on top of ours.
     twin_tol = tol if case.q.dtype == torch.float32 else 2 * tol
     torch.testing.assert_close(out.float(), twin.float(), atol=twin_tol, rtol=twin_tol)
-    return backend.num_kv_splits
+    return backend.plan.num_kv_splits
 
 
 GQA = [(4, 4), (6, 2), (8, 1)]  # ratios 1, 3, 8
@@ -345,12 +345,12 @@ def test_shared_prefix_items_match_dense(paged_case, dtype, heads, shared_tokens
         shared_tokens=shared_tokens,
     )
     out, backend = run_planned(case, min_tokens_per_split=split_at)
-    assert backend.num_shared_items >= (1 if split_at == 256 else 2)
+    assert backend.plan.num_shared_items >= (1 if split_at == 256 else 2)
     tol = case.tol()
     torch.testing.assert_close(out.float(), case.dense_reference(SCALE), atol=tol, rtol=tol)
     twin_tol = tol if dtype == torch.float32 else 2 * tol
     twin = case.torch_twin(SCALE).float()
     torch.testing.assert_close(out.float(), twin, atol=twin_tol, rtol=twin_tol)
     out_off, off = run_planned(case, min_tokens_per_split=split_at, min_shared_tokens=0)
-    assert off.num_shared_items == 0
+    assert off.plan.num_shared_items == 0
     torch.testing.assert_close(out.float(), out_off.float(), atol=tol, rtol=tol)

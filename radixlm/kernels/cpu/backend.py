@@ -71,13 +71,7 @@ class CpuAttentionBackend:
             return
         self.page_table = batch.page_table.to(torch.int32).contiguous()
         self._plans: dict[int, WorkPlan] = {}
-        plan = self._plan(0)
-        self.items = plan.items
-        self.item_rows = plan.item_rows
-        self.reduces = plan.reduces
-        self.num_parts = plan.num_parts
-        self.num_kv_splits = plan.num_kv_splits
-        self.num_shared_items = plan.num_shared_items
+        self.plan = self._plan(0)  # full attention: what the one-call layer stack runs
         # Split-KV scratch, allocated by the first layer (Hq and D are known there).
         self._parts: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -124,7 +118,7 @@ class CpuAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's split-KV scratch (`[>= parts, Hq, D]`, `[>= parts, Hq]` fp32),
         allocated once per forward and shared by its layers."""
-        need = self.num_parts if num_parts is None else num_parts
+        need = self.plan.num_parts if num_parts is None else num_parts
         parts = self._parts
         if parts is None or parts[0].shape[1:] != (hq, d) or parts[0].shape[0] < need:
             parts = self._parts = (
