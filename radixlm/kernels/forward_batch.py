@@ -4,6 +4,12 @@ Layout (shared by every attention backend):
 
 - The KV cache of layer `l` is `k_buffers[l]`, `v_buffers[l]`: `[num_pages * page_size, Hkv, D]`.
   Token `j` of a sequence lives at slot `page_table[j // page_size] * page_size + j % page_size`.
+  `KVCache.layout` says how a slot's `[Hkv, D]` values lie in memory: `flat` (row `slot` of the
+  buffer, every backend) or `pairs16` (the CPU op's bf16 layout: slots in blocks of 16, K stored
+  as (d, d + 1) pairs across the block's keys and V as (key 2i, key 2i + 1) pairs, the operand
+  layouts of AVX512_BF16 dot products; see `pairs16_from_flat`). A page's values stay one
+  contiguous run of memory in both, so whole-page copies (copy-on-write, the KV tier) do not
+  depend on the layout.
 - A batch is ragged: the `T` new tokens of all `B` requests are concatenated, request `i` owning
   rows `qo_indptr[i]:qo_indptr[i + 1]`. Its tokens sit at positions
   `prefix_lens[i] .. seq_lens[i] - 1`; they attend to the cached prefix and causally to each other.
@@ -15,14 +21,90 @@ from dataclasses import dataclass
 
 import torch
 
+KV_LAYOUTS = ("flat", "pairs16")
+
+
+def pairs16_from_flat(buf: torch.Tensor, kind: str) -> torch.Tensor:
+    """Rows `[S, Hkv, D]` (S % 16 == 0) -> the same values stored in the `pairs16` layout (same
+    shape). Per block of 16 slots and per head: K as `[D/2, 16, 2]` (pair p of key o at
+    `p * 32 + 2 * o`), V as `[8, D, 2]` (keys 2i, 2i + 1 of dim d at `i * 2D + 2d`)."""
+    s, h, d = buf.shape
+    if kind == "k":
+        y = buf.view(s // 16, 16, h, d // 2, 2).permute(0, 2, 3, 1, 4)  # [b, h, d/2, 16, 2]
+    else:
+        y = buf.view(s // 16, 8, 2, h, d).permute(0, 3, 1, 4, 2)  # [b, h, 8, d, 2]
+    return y.contiguous().view(s, h, d)
+
+
+def flat_from_pairs16(buf: torch.Tensor, kind: str) -> torch.Tensor:
+    """Inverse of `pairs16_from_flat`: `pairs16` storage `[S, Hkv, D]` -> rows by slot."""
+    s, h, d = buf.shape
+    if kind == "k":
+        y = buf.view(s // 16, h, d // 2, 16, 2).permute(0, 3, 1, 2, 4)  # [b, 16, h, d/2, 2]
+    else:
+        y = buf.view(s // 16, h, 8, d, 2).permute(0, 2, 4, 1, 3)  # [b, 8, 2, h, d]
+    return y.contiguous().view(s, h, d)
+
+
+def pairs16_offsets(slots: torch.Tensor, h: int, d: int, kind: str) -> torch.Tensor:
+    """Flat element offsets `[T, Hkv, D]` of the `pairs16` values of these slots."""
+    s = slots.to(torch.int64)[:, None, None]
+    hh = torch.arange(h, device=slots.device)[None, :, None]
+    dd = torch.arange(d, device=slots.device)[None, None, :]
+    o = s % 16
+    base = (s - o) * h * d + hh * 16 * d
+    if kind == "k":
+        return base + (dd // 2) * 32 + 2 * o + dd % 2
+    return base + (o // 2) * 2 * d + 2 * dd + o % 2
+
 
 @dataclass
 class KVCache:
-    """Per-layer K and V slot buffers: `[num_slots, num_kv_heads, head_dim]` each."""
+    """Per-layer K and V slot buffers: `[num_slots, num_kv_heads, head_dim]` each, in `layout`
+    (one of `KV_LAYOUTS`, fixed at allocation: every writer and reader follows it)."""
 
     k_buffers: list[torch.Tensor]
     v_buffers: list[torch.Tensor]
     page_size: int
+    layout: str = "flat"
+
+    def __post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ValueError(f"KV layout must be one of {KV_LAYOUTS}, got {self.layout!r}")
+        if self.layout == "pairs16" and (self.page_size % 16 or self.k_buffers[0].shape[2] % 2):
+            raise ValueError("the pairs16 KV layout needs page_size % 16 == 0 and an even D")
+
+    def read_rows(self, layer: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        """The `[T, Hkv, D]` values of these slots, whatever the layout (tests, twins)."""
+        buf = (self.k_buffers if kind == "k" else self.v_buffers)[layer]
+        if self.layout == "flat":
+            return buf[slots]
+        _, h, d = buf.shape
+        return buf.view(-1)[pairs16_offsets(slots, h, d, kind)]
+
+    def write_rows(self, layer: int, kind: str, slots: torch.Tensor, x: torch.Tensor) -> None:
+        """Store `x` `[T, Hkv, D]` at these slots (cast to the cache dtype), in the layout."""
+        buf = (self.k_buffers if kind == "k" else self.v_buffers)[layer]
+        if self.layout == "flat":
+            buf[slots] = x.to(buf.dtype)
+            return
+        _, h, d = buf.shape
+        buf.view(-1)[pairs16_offsets(slots, h, d, kind)] = x.to(buf.dtype)
+
+    def as_layout(self, layout: str) -> KVCache:
+        """A copy of this cache's values in another layout (tests, benchmarks)."""
+        if layout == self.layout:
+            return KVCache(
+                [b.clone() for b in self.k_buffers], [b.clone() for b in self.v_buffers],
+                self.page_size, layout,
+            )  # fmt: skip
+        conv = pairs16_from_flat if layout == "pairs16" else flat_from_pairs16
+        return KVCache(
+            [conv(b, "k") for b in self.k_buffers],
+            [conv(b, "v") for b in self.v_buffers],
+            self.page_size,
+            layout,
+        )
 
     @classmethod
     def allocate(
@@ -34,12 +116,14 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        layout: str = "flat",
     ) -> KVCache:
         shape = (num_pages * page_size, num_kv_heads, head_dim)
         return cls(
             k_buffers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             v_buffers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             page_size=page_size,
+            layout=layout,
         )
 
     @staticmethod

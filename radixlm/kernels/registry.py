@@ -53,6 +53,19 @@ def available_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY))
 
 
+def preferred_kv_layout(name: str, dtype: Any, page_size: int, head_dim: int) -> str:
+    """The KV cache layout backend `name` reads fastest (`forward_batch.KV_LAYOUTS`): its
+    `preferred_kv_layout` where it has one, else `flat` (also for a backend that does not load:
+    `create_attention_backend` then says why)."""
+    if name not in _BACKENDS and name in _LAZY:
+        try:
+            importlib.import_module(_LAZY[name])
+        except ImportError:
+            return "flat"
+    pick = getattr(_BACKENDS.get(name), "preferred_kv_layout", None)
+    return pick(dtype, page_size, head_dim) if pick is not None else "flat"
+
+
 def create_attention_backend(name: str, kv_cache: Any) -> Any:
     if name not in _BACKENDS and name in _LAZY:
         try:

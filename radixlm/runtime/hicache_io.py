@@ -104,6 +104,7 @@ def kv_identity(
         "num_layers": len(kv.k_buffers),
         "num_kv_heads": int(buf.shape[1]),
         "head_dim": int(buf.shape[2]),
+        "kv_layout": kv.layout,
         "tokenizer": f"{type(tokenizer).__name__}:{len(tokenizer)}",
         "tp": f"{rank}/{tp_size}",
     }

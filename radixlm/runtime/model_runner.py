@@ -10,7 +10,11 @@ import torch
 
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
-from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
+from radixlm.kernels.registry import (
+    create_attention_backend,
+    preferred_kv_layout,
+    resolve_backend_name,
+)
 from radixlm.runtime.models.registry import check_architecture, check_quantization, model_class
 
 if TYPE_CHECKING:
@@ -142,6 +146,7 @@ class ModelRunner:
         if tp is not None and tp.world_size > 1:
             # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
             self.num_pages = tp.min_over_ranks(self.num_pages)
+        self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
         self.kv_cache = KVCache.allocate(
             hf_config.num_hidden_layers,
             self.num_pages,
@@ -150,8 +155,10 @@ class ModelRunner:
             model.head_dim,
             self.dtype,
             device,
+            preferred_kv_layout(
+                self.attention_backend_name, self.dtype, self.page_size, model.head_dim
+            ),
         )
-        self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
         self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
         self.enforce_eager = enforce_eager
         self.layer_ops, self.linear_method = self._prepare_forward(model)

@@ -193,3 +193,23 @@ def tolerance(dtype: torch.dtype) -> float:
 @pytest.fixture
 def paged_case() -> Callable[..., PagedCase]:
     return make_paged_case
+
+
+def _runner_logits(runner, chunks: tuple[int, ...], num_pages: int) -> torch.Tensor:
+    """Logits of every position of one request fed to `runner.forward` in chunks of these
+    sizes (prefill, extends over the paged prefix, decodes) on pages 0 .. num_pages - 1."""
+    ids = [(i * 7919) % 40000 + 5 for i in range(sum(chunks))]
+    pages = list(range(num_pages))
+    outs, start = [], 0
+    for n in chunks:
+        batch = ForwardBatch.build(
+            [ids[start : start + n]], [start], [pages], [list(range(n))], runner.page_size, "cpu"
+        )
+        outs.append(runner.forward(batch))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.fixture
+def runner_logits() -> Callable[..., torch.Tensor]:
+    return _runner_logits

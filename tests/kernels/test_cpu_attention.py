@@ -17,7 +17,7 @@ import torch
 from radixlm import Engine, SamplingParams
 from radixlm.config import CacheConfig
 from radixlm.kernels.cpu import build
-from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import KVCache
 from radixlm.kernels.registry import create_attention_backend, resolve_backend_name
 from radixlm.runtime.model_runner import ModelRunner
 
@@ -201,9 +201,8 @@ def test_engine_shared_prefix_items_match_torch_engine(tiny_qwen2_dir, monkeypat
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runner_logits_match_torch_runner(tiny_llama_dir, dtype):
+def test_runner_logits_match_torch_runner(tiny_llama_dir, dtype, runner_logits):
     """Logits of every position (prefill, extend over the paged prefix, decodes) agree."""
-    ids = [(i * 7919) % 40000 + 5 for i in range(23)]
     logits = {}
     for backend in ("torch", "cpu"):
         runner = ModelRunner(
@@ -213,15 +212,7 @@ def test_runner_logits_match_torch_runner(tiny_llama_dir, dtype):
             CacheConfig(page_size=4, num_pages=8),
             attention_backend=backend,
         )
-        pages = list(range(6))
-        outs, start = [], 0
-        for n in (7, 13, 1, 1, 1):
-            batch = ForwardBatch.build(
-                [ids[start : start + n]], [start], [pages], [list(range(n))], 4, "cpu"
-            )
-            outs.append(runner.forward(batch))
-            start += n
-        logits[backend] = torch.cat(outs)
+        logits[backend] = runner_logits(runner, (7, 13, 1, 1, 1), 6)
     tol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(logits["cpu"], logits["torch"], atol=tol, rtol=tol)
 

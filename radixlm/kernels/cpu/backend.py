@@ -20,7 +20,7 @@ import torch
 from radixlm.kernels.cpu.build import load_error, load_op
 from radixlm.kernels.cpu.fused import store_kv
 from radixlm.kernels.cpu.plan import PlanConfig, WorkPlan, plan_work
-from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.forward_batch import KV_LAYOUTS, ForwardBatch, KVCache
 from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
 
@@ -39,11 +39,27 @@ class CpuAttentionBackend:
     (tests, benchmarks); `extend_block` is the query rows per extend work item.
     """
 
+    @staticmethod
+    def preferred_kv_layout(dtype: torch.dtype, page_size: int, head_dim: int) -> str:
+        """`pairs16` where the op multiplies bf16 pairs (AVX512_BF16) on a bf16 cache whose
+        pages hold whole blocks of 16 (its decode reads K^T / V pairs without repacking);
+        else `flat`."""
+        if (
+            dtype == torch.bfloat16
+            and _op.has_bf16_dot()
+            and page_size % 16 == 0
+            and head_dim % 32 == 0
+            and head_dim <= 256
+        ):
+            return "pairs16"
+        return "flat"
+
     def __init__(self, kv_cache: KVCache) -> None:
         if kv_cache.k_buffers[0].device.type != "cpu":
             raise ValueError("attention_backend='cpu' needs the KV cache on the CPU")
         self.kv_cache = kv_cache
         self.op = _op
+        self.kv_layout = KV_LAYOUTS.index(kv_cache.layout)  # the op's kv_layout argument
         head_dim = kv_cache.k_buffers[0].shape[2]
         # NOTE: the op's register tiles step 16 floats through the head dim.
         self._twin = TorchAttentionBackend(kv_cache) if head_dim % 16 else None
@@ -144,7 +160,7 @@ class CpuAttentionBackend:
         plan = self._plan(window)
         k_buf = self.kv_cache.k_buffers[layer_id]
         v_buf = self.kv_cache.v_buffers[layer_id]
-        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v)
+        store_kv(k_buf, v_buf, batch.out_cache_loc, k, v, self.kv_layout)
         qc = q if q.dtype == k_buf.dtype and q.stride(-1) == 1 else q.to(k_buf.dtype).contiguous()
         out = torch.empty(qc.shape, dtype=qc.dtype)  # [T, Hq, D]
         parts = self.partial_buffers(qc.shape[1], qc.shape[2], plan.num_parts)
@@ -162,5 +178,6 @@ class CpuAttentionBackend:
             batch.page_size,
             scale,
             window,
+            self.kv_layout,
         )
         return out if out.dtype == q.dtype else out.to(q.dtype)

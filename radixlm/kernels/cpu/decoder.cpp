@@ -28,12 +28,12 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
-              const at::Tensor& v);
+              const at::Tensor& v, int64_t kv_layout);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                      at::Tensor& out, const at::Tensor& page_table, const at::Tensor& items,
                      const at::Tensor& item_rows, const at::Tensor& reduces,
                      at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size, double scale,
-                     int64_t window);
+                     int64_t window, int64_t kv_layout);
 
 namespace {
 
@@ -91,7 +91,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
     const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
-    at::Tensor& part_lse, int64_t page_size, double scale) {
+    at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout) {
   const int64_t n = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
@@ -118,11 +118,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
     rope_(q, k, positions, cos, sin);
     at::Tensor k_buf = k_bufs[l], v_buf = v_bufs[l];
-    store_kv(k_buf, v_buf, slots, k, v);
+    store_kv(k_buf, v_buf, slots, k, v, kv_layout);
     at::Tensor qc = q.scalar_type() == k_buf.scalar_type() ? q : q.to(k_buf.scalar_type());
     at::Tensor attn = at::empty({t, num_heads, head_dim}, qc.options());
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
-                    part_lse, page_size, scale, 0);
+                    part_lse, page_size, scale, 0, kv_layout);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
     at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l));
     h = add_rms_norm(o, residual, ln2[l], eps);
@@ -140,7 +140,7 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
-      "Tensor(d!) part_lse, int page_size, float scale) -> (Tensor, Tensor)");
+      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout=0) -> (Tensor, Tensor)");
 }
 
 // CatchAll: fp32 prepacked weights are MkldnnCPU tensors, bf16 ones plain CPU tensors.

@@ -47,5 +47,6 @@ def store_kv(
     out_cache_loc: torch.Tensor,  # [T] int64
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
+    kv_layout: int = 0,  # 0 flat, 1 pairs16 (`forward_batch.KV_LAYOUTS` index)
 ) -> None:
-    _op.store_kv(k_buf, v_buf, out_cache_loc, k, v)
+    _op.store_kv(k_buf, v_buf, out_cache_loc, k, v, kv_layout)

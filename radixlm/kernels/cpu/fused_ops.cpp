@@ -295,9 +295,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return y;
 }
 
-// k_buf[slots[t]] <- k[t], v_buf[slots[t]] <- v[t] (converted to the cache's dtype).
+// k_buf[slots[t]] <- k[t], v_buf[slots[t]] <- v[t] (converted to the cache's dtype), in the
+// cache's layout: kv_layout 0 flat [S, Hkv, D]; 1 the pairs16 blocks of paged_attention.cpp
+// (K element (s, h, d) at (s / 16) * 16 * Hkv * D + h * 16 * D + (d / 2) * 32 + 2 * (s % 16) +
+// d % 2; V at ... + ((s % 16) / 2) * 2 * D + 2 * d + s % 2).
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
-              const at::Tensor& v) {
+              const at::Tensor& v, int64_t kv_layout) {
+  TORCH_CHECK(kv_layout == 0 || kv_layout == 1, "store_kv: kv_layout must be 0 or 1");
   check_rows(k, "k", 3);
   check_rows(v, "v", 3);
   TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3 &&
@@ -317,9 +321,28 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, con
     using C = decltype(ctag);
     dispatch_float(k.scalar_type(), "store_kv", [&](auto xtag) {
       using X = decltype(xtag);
-      auto copy = [&](at::Tensor& buf, const at::Tensor& x) {
+      auto copy = [&](at::Tensor& buf, const at::Tensor& x, bool is_k) {
         C* bp = buf.data_ptr<C>();
         const X* xp = x.data_ptr<X>();
+        if (kv_layout == 1) {
+          for (int64_t i = 0; i < t; ++i) {
+            const int64_t o = sl[i] % 16;
+            C* blk = bp + (sl[i] - o) * hkv * d;
+            for (int64_t hh = 0; hh < hkv; ++hh) {
+              const X* src = xp + i * x.stride(0) + hh * x.stride(1);
+              C* dst = blk + hh * 16 * d;
+              for (int64_t j = 0; j < d; ++j) {
+                const int64_t at = is_k ? (j / 2) * 32 + 2 * o + j % 2 : (o / 2) * 2 * d + 2 * j + o % 2;
+                if constexpr (std::is_same_v<C, X>) {
+                  dst[at] = src[j];
+                } else {
+                  dst[at] = static_cast<C>(to_f(src[j]));
+                }
+              }
+            }
+          }
+          return;
+        }
         for (int64_t i = 0; i < t; ++i) {
           C* dst = bp + sl[i] * hkv * d;
           for (int64_t hh = 0; hh < hkv; ++hh) {
@@ -332,8 +355,8 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, con
           }
         }
       };
-      copy(k_buf, k);
-      copy(v_buf, v);
+      copy(k_buf, k, true);
+      copy(v_buf, v, false);
     });
   });
 }
@@ -343,7 +366,9 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("store_kv(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def(
+      "store_kv(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor slots, Tensor k, Tensor v, "
+      "int kv_layout=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {

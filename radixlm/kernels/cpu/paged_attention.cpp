@@ -113,12 +113,22 @@ inline void store_out(const float* src, T* dst, int64_t n, float mul) {
 struct Dims {
   int64_t hq, hkv, d, group, page_size, window;  // window 0: full attention
   int64_t q_s0, q_s1, o_s0, o_s1, kv_s0, kv_s1, pt_s0;
+  int64_t layout;  // KV_FLAT or KV_PAIRS16 (see paged_attention below)
 };
+
+// K/V storage layouts. KV_FLAT: slot s, head h, dim d at (s * Hkv + h) * D + d. KV_PAIRS16 (bf16
+// only; page_size % 16 == 0): slots in aligned blocks of 16, block b = s / 16 at b * 16 * Hkv * D,
+// head h at + h * 16 * D, then, with o = s % 16: K as (d, d + 1) pairs over the 16 keys,
+// + (d / 2) * 32 + 2 * o + d % 2 (a key block is K^T: D/2 rows of 16 uint32 pairs); V as
+// (key 2i, key 2i + 1) pairs, + (o / 2) * 2 * D + 2 * d + o % 2 (8 rows of D uint32 pairs). Both
+// are exactly the operand layouts of vdpbf16ps, so the kernels read them with plain loads.
+constexpr int64_t KV_FLAT = 0, KV_PAIRS16 = 1;
 
 // Per-thread scratch, sized for the largest task of a call (all fp32). Rows are ordered
 // (kv head, query, head in group); kf / kt / vf hold one key block per KV head.
 struct Scratch {
   std::vector<float> qf, acc, m, l, alpha, s, kf, kt, vf;
+  std::vector<int64_t> bases;  // KV_PAIRS16: element offset of each key block of a task
   void reserve(int64_t rows, int64_t hkv, int64_t d) {
     qf.assign(rows * d, 0.f);
     acc.assign(rows * d, 0.f);
@@ -428,30 +438,194 @@ using DecodeFn = void (*)(const int32_t*, int64_t, int64_t, int64_t, int64_t, in
                           const int32_t*, c10::BFloat16*, float*, float*, const Dims&, float,
                           Scratch&);
 
-template <int G>
+// ---- Decode rows over KV_PAIRS16 K/V -----------------------------------------------------------
+//
+// With K stored as K^T pairs and V as key pairs per block of 16 keys, q . K for the 16 keys of a
+// block is D/2 vdpbf16ps with the query's (d, d + 1) pair broadcast (the 16 lanes are the 16
+// keys: no horizontal sums), and P @ V is 8 x D/16 vdpbf16ps with the (p_2i, p_2i+1) pair
+// broadcast (the lanes are the head dims, in order). Per KV head, the query heads' accumulators
+// stay in registers across all key blocks; a KV head's block is 2 x 16 x D x 2 contiguous bytes.
+
+// 2^x for 16 lanes, x <= 0 (x <= -127, -inf or NaN: 0). Same polynomial as exp2v.
+inline __m512 exp2_16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-127.f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_scalef_ps(p, n));
+}
+
+// Element offsets of the key blocks [first, first + 16 nb) of request req (first % 16 == 0).
+inline void block_bases(const int32_t* pages, int64_t first, int64_t nb, const Dims& dm,
+                        std::vector<int64_t>& bases) {
+  if (static_cast<int64_t>(bases.size()) < nb) bases.resize(nb);
+  const int64_t ps = dm.page_size;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t pos = first + 16 * b;
+    bases[b] = (static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps) * dm.kv_s0;
+  }
+}
+
+// Lanes of a key block at positions pos .. pos + 15 inside [lo, hi).
+inline __mmask16 lanes_in(int64_t pos, int64_t lo, int64_t hi) {
+  const int64_t a = std::max<int64_t>(0, lo - pos), b = std::min<int64_t>(16, hi - pos);
+  return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
+constexpr int64_t BLK_PF = 2;  // key blocks prefetched ahead
+
+// decode_rows_bf16 over KV_PAIRS16 (same task contract).
+template <int G, int C>
+void decode_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv_lo,
+                         int64_t kv_hi, int64_t part, int64_t pstride, const c10::BFloat16* q,
+                         const c10::BFloat16* k_buf, const c10::BFloat16* v_buf,
+                         const int32_t* page_table, c10::BFloat16* out, float* part_o,
+                         float* part_lse, const Dims& dm, float qscale, Scratch& sc) {
+  constexpr int64_t D = 32 * C, NV = 2 * C, NP = 16 * C;  // NP: (d, d + 1) pairs
+  const int64_t first = kv_lo & ~int64_t{15}, nb = (kv_hi - first + 15) / 16;
+  block_bases(page_table + req * dm.pt_s0, first, nb, dm, sc.bases);
+  const int64_t* bases = sc.bases.data();
+  const int64_t head_elems = 16 * D;  // one KV head's part of a block, K or V
+  const __m512 qs = _mm512_set1_ps(qscale);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t h = 0; h < dm.hkv; ++h) {
+      const uint32_t* qp[G];
+      for (int g = 0; g < G; ++g)
+        qp[g] = reinterpret_cast<const uint32_t*>(q + rows[r] * dm.q_s0 + (h * G + g) * dm.q_s1);
+      __m512 acc[G][NV], lsum[G];
+      float mx[G];
+      for (int g = 0; g < G; ++g) {
+        for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_setzero_ps();
+        lsum[g] = _mm512_setzero_ps();
+        mx[g] = NEG_INF;
+      }
+      for (int64_t b = 0; b < std::min<int64_t>(nb, BLK_PF); ++b) {
+        const char* kp = reinterpret_cast<const char*>(k_buf + bases[b] + h * head_elems);
+        const char* vp = reinterpret_cast<const char*>(v_buf + bases[b] + h * head_elems);
+        for (int64_t o = 0; o < head_elems * 2; o += 64) {
+          __builtin_prefetch(kp + o);
+          __builtin_prefetch(vp + o);
+        }
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        if (b + BLK_PF < nb) {
+          const int64_t nx = bases[b + BLK_PF] + h * head_elems;
+          const char* kp = reinterpret_cast<const char*>(k_buf + nx);
+          const char* vp = reinterpret_cast<const char*>(v_buf + nx);
+          for (int64_t o = 0; o < head_elems * 2; o += 64) {
+            __builtin_prefetch(kp + o);
+            __builtin_prefetch(vp + o);
+          }
+        }
+        const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_buf + bases[b] + h * head_elems);
+        const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_buf + bases[b] + h * head_elems);
+        const int64_t pos = first + 16 * b;
+        const bool partial = pos < kv_lo || pos + 16 > kv_hi;
+        const __mmask16 valid = partial ? lanes_in(pos, kv_lo, kv_hi) : __mmask16(0xFFFF);
+        alignas(64) uint32_t pp[G][8];
+        for (int g = 0; g < G; ++g) {
+          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+          for (int64_t p = 0; p < NP; p += 2) {
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])),
+                                  (__m512bh)_mm512_loadu_si512(kb + 16 * p));
+            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])),
+                                  (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1)));
+          }
+          __m512 s = _mm512_mul_ps(_mm512_add_ps(s0, s1), qs);
+          if (partial) s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
+          const float bm = _mm512_reduce_max_ps(s);
+          if (bm > mx[g]) {
+            const __m512 al = _mm512_set1_ps(mx[g] == NEG_INF ? 0.f : std::exp2(mx[g] - bm));
+            for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], al);
+            lsum[g] = _mm512_mul_ps(lsum[g], al);
+            mx[g] = bm;
+          }
+          const __m512 e = exp2_16(_mm512_sub_ps(s, _mm512_set1_ps(mx[g])));
+          lsum[g] = _mm512_add_ps(lsum[g], e);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pp[g]), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        // Keys past kv_hi in the last block may hold stale values (even NaN): their p is 0,
+        // but 0 * NaN is NaN, so their V is read as zeros.
+        alignas(64) uint32_t vz[8 * D];
+        if (pos + 16 > kv_hi) {
+          const int64_t nvalid = kv_hi - pos;  // 1 .. 15
+          for (int64_t i = 0; i < 8; ++i) {
+            const uint32_t keep = 2 * i + 1 < nvalid ? 0xFFFFFFFFu
+                                  : 2 * i < nvalid   ? 0x0000FFFFu
+                                                     : 0u;
+            for (int64_t d = 0; d < D; ++d) vz[i * D + d] = vb[i * D + d] & keep;
+          }
+          vb = vz;
+        }
+        for (int64_t i = 0; i < 8; ++i) {
+          __m512bh pb[G];
+          for (int g = 0; g < G; ++g)
+            pb[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g][i]));
+          for (int v = 0; v < NV; ++v) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(vb + i * D + 16 * v);
+            for (int g = 0; g < G; ++g) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], x, pb[g]);
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const int64_t hq = h * G + g;
+        const float l = _mm512_reduce_add_ps(lsum[g]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        if (part < 0) {
+          c10::BFloat16* o = out + rows[r] * dm.o_s0 + hq * dm.o_s1;
+          for (int v = 0; v < NV; ++v)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * v),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][v], iv)));
+        } else {
+          const int64_t pi = part + r * pstride;
+          float* po = part_o + (pi * dm.hq + hq) * D;
+          for (int v = 0; v < NV; ++v) _mm512_storeu_ps(po + 16 * v, _mm512_mul_ps(acc[g][v], iv));
+          part_lse[pi * dm.hq + hq] = mx[g] + std::log2(l);
+        }
+      }
+    }
+  }
+}
+
+template <int G, bool P16>
 DecodeFn decode_fn_c(int64_t c) {
   switch (c) {
-    case 1: return &decode_rows_bf16<G, 1>;
-    case 2: return &decode_rows_bf16<G, 2>;
-    case 4: return &decode_rows_bf16<G, 4>;
-    case 8: return &decode_rows_bf16<G, 8>;
+    case 1: return P16 ? &decode_rows_pairs16<G, 1> : &decode_rows_bf16<G, 1>;
+    case 2: return P16 ? &decode_rows_pairs16<G, 2> : &decode_rows_bf16<G, 2>;
+    case 4: return P16 ? &decode_rows_pairs16<G, 4> : &decode_rows_bf16<G, 4>;
+    case 8: return P16 ? &decode_rows_pairs16<G, 8> : &decode_rows_bf16<G, 8>;
     default: return nullptr;
   }
 }
 
-// The instantiation for (group, head dim / 32), or nullptr (then the generic path runs).
+template <int G>
+DecodeFn decode_fn_g(const Dims& dm) {
+  const int64_t c = dm.d / 32;
+  return dm.layout == KV_PAIRS16 ? decode_fn_c<G, true>(c) : decode_fn_c<G, false>(c);
+}
+
+// The decode kernel for (layout, group, head dim / 32), or nullptr (then the register tiles or
+// the generic path run).
 DecodeFn decode_fn(const Dims& dm) {
   if (!decode_bf16_fits(dm)) return nullptr;
-  const int64_t c = dm.d / 32;
   switch (dm.group) {
-    case 1: return decode_fn_c<1>(c);
-    case 2: return decode_fn_c<2>(c);
-    case 3: return decode_fn_c<3>(c);
-    case 4: return decode_fn_c<4>(c);
-    case 5: return decode_fn_c<5>(c);
-    case 6: return decode_fn_c<6>(c);
-    case 7: return decode_fn_c<7>(c);
-    case 8: return decode_fn_c<8>(c);
+    case 1: return decode_fn_g<1>(dm);
+    case 2: return decode_fn_g<2>(dm);
+    case 3: return decode_fn_g<3>(dm);
+    case 4: return decode_fn_g<4>(dm);
+    case 5: return decode_fn_g<5>(dm);
+    case 6: return decode_fn_g<6>(dm);
+    case 7: return decode_fn_g<7>(dm);
+    case 8: return decode_fn_g<8>(dm);
     default: return nullptr;
   }
 }
@@ -575,8 +749,32 @@ inline void pack_kv_pairs(const c10::BFloat16* const* krows, const c10::BFloat16
     }
   }
 }
+// One KV_PAIRS16 block of 16 keys (k / v: the block's start, all heads; nk of its keys valid)
+// into the register tiles' layouts at key offset 16 * sb: kt2 / vt2 already offset to it,
+// head h at + h * stride uint32. V pairs of keys >= nk are zeroed (stale slots may hold NaN).
+inline void pack_pairs16(const c10::BFloat16* k, const c10::BFloat16* v, int64_t nk, int64_t H,
+                         int64_t D, uint32_t* kt2, uint32_t* vt2, int64_t stride) {
+  for (int64_t h = 0; h < H; ++h) {
+    const uint32_t* kb = reinterpret_cast<const uint32_t*>(k + h * 16 * D);
+    const uint32_t* vb = reinterpret_cast<const uint32_t*>(v + h * 16 * D);
+    uint32_t* kd = kt2 + h * stride;
+    uint32_t* vd = vt2 + h * stride;
+    for (int64_t p = 0; p < D / 2; ++p)
+      _mm512_storeu_si512(kd + p * BLOCK_K, _mm512_loadu_si512(kb + 16 * p));
+    if (nk == 16) {
+      std::memcpy(vd, vb, 8 * D * sizeof(uint32_t));
+      continue;
+    }
+    for (int64_t i = 0; i < 8; ++i) {
+      const uint32_t keep = 2 * i + 1 < nk ? 0xFFFFFFFFu : 2 * i < nk ? 0xFFFFu : 0u;
+      for (int64_t d = 0; d < D; ++d) vd[i * D + d] = vb[i * D + d] & keep;
+    }
+  }
+}
 #else
 constexpr bool kHasBf16Dot = false;
+void pack_pairs16(const c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t, int64_t,
+                  uint32_t*, uint32_t*, int64_t);
 void pack_kv_pairs(const c10::BFloat16* const*, const c10::BFloat16* const*, int64_t, int64_t,
                    uint32_t*, uint32_t*);
 template <int RM>
@@ -628,7 +826,10 @@ void attend_task(
   }
 #endif
   const int64_t D = dm.d, G = dm.group, H = dm.hkv, M = nq * G, MT = H * M;
-  const bool tiled = M >= 8;  // transposed-K register tiles pay off from a few rows up
+  // KV_PAIRS16 blocks are already the tiles' operand layouts: always the bf16 tiles (the op
+  // accepts that layout only for bf16 with AVX512_BF16 and D % 32 == 0, D <= 256).
+  const bool pairs16 = dm.layout == KV_PAIRS16;
+  const bool tiled = M >= 8 || pairs16;  // transposed-K tiles pay off from a few rows up
   // bf16 K/V on a CPU with AVX512_BF16: the tiles multiply bf16 pairs (see scores_tile_bf16)
   constexpr bool kBf = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
   const bool bfdot = kBf && tiled && D % 32 == 0 && D <= 256;
@@ -661,11 +862,31 @@ void attend_task(
   const int32_t* pages = page_table + req * dm.pt_s0;
   const int64_t ps = dm.page_size;
   const int64_t row_bytes = H * D * static_cast<int64_t>(sizeof(T));
-  for (int64_t j0 = kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
+  // KV_PAIRS16: blocks start on a 16-key boundary; keys before kv_lo are masked below.
+  for (int64_t j0 = pairs16 ? (kv_lo & ~int64_t{15}) : kv_lo; j0 < kv_hi; j0 += BLOCK_K) {
     const int64_t n = std::min<int64_t>(BLOCK_K, kv_hi - j0);
     int64_t page = j0 / ps, off = j0 % ps;  // one division per block, not per key
     if constexpr (kBf) {
-      if (bfdot) {  // K as [D/2, BLOCK_K] pairs, V as [BLOCK_K/2, D] key pairs, per KV head
+      if (pairs16) {  // copy the 16-key blocks' K^T rows and V pair rows into the tiles
+        for (int64_t sb = 0; 16 * sb < n; ++sb) {
+          const int64_t pos = j0 + 16 * sb;
+          const int64_t base = (static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps) * dm.kv_s0;
+          pack_pairs16(k_buf + base, v_buf + base, std::min<int64_t>(16, n - 16 * sb), H, D,
+                       reinterpret_cast<uint32_t*>(kt) + 16 * sb,
+                       reinterpret_cast<uint32_t*>(vf) + 8 * sb * D, blk);
+        }
+        // prefetch the next block's 16-key blocks (all heads: one contiguous run each)
+        for (int64_t pos = j0 + BLOCK_K; pos < std::min<int64_t>(kv_hi, j0 + 2 * BLOCK_K);
+             pos += 16) {
+          const int64_t base = (static_cast<int64_t>(pages[pos / ps]) * ps + pos % ps) * dm.kv_s0;
+          const char* kp = reinterpret_cast<const char*>(k_buf + base);
+          const char* vp = reinterpret_cast<const char*>(v_buf + base);
+          for (int64_t b = 0; b < 16 * row_bytes; b += 64) {
+            __builtin_prefetch(kp + b);
+            __builtin_prefetch(vp + b);
+          }
+        }
+      } else if (bfdot) {  // K as [D/2, BLOCK_K] pairs, V as [BLOCK_K/2, D] key pairs, per head
         const T* kr[BLOCK_K];
         const T* vr[BLOCK_K];
         for (int64_t jj = 0; jj < n; ++jj) {
@@ -704,7 +925,7 @@ void attend_task(
       }
     }
     // Pages are scattered: prefetch the next block's rows while this one is computed.
-    const int64_t n2 = std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
+    const int64_t n2 = pairs16 ? 0 : std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
     for (int64_t jj = 0; jj < n2; ++jj) {
       const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
       if (++off == ps) off = 0, ++page;
@@ -743,7 +964,8 @@ void attend_task(
       const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
       const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
       // keys before the window's first (position qpos - W + 1) are masked too
-      const int64_t nlo = dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0;
+      const int64_t nlo = std::max<int64_t>(
+          kv_lo - j0, dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0);
       if (nv <= nlo) {  // no key of the block is visible to this query: weights 0, no rescale
         std::fill(sr, sr + BLOCK_K, 0.f);
         alpha[r] = 1.f;
@@ -869,8 +1091,15 @@ void paged_attention(
     at::Tensor& part_lse,          // [P, Hq] float32
     int64_t page_size,
     double scale,
-    int64_t window) {
+    int64_t window,
+    int64_t kv_layout) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(kv_layout == KV_FLAT || kv_layout == KV_PAIRS16, "paged_attention: kv_layout 0 or 1");
+  TORCH_CHECK(kv_layout == KV_FLAT || (kHasBf16Dot && k_buf.scalar_type() == at::kBFloat16 &&
+                                       page_size % 16 == 0 && q.size(2) % 32 == 0 &&
+                                       q.size(2) <= 256),
+              "paged_attention: the pairs16 KV layout needs bf16 K/V, AVX512_BF16, page_size % 16 "
+              "== 0 and head_dim % 32 == 0, <= 256");
   TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0");
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3 && out.dim() == 3);
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && k_buf.scalar_type() == v_buf.scalar_type()
@@ -893,7 +1122,7 @@ void paged_attention(
   TORCH_CHECK(reduces.size(0) == 0 || part_o.dim() == 3 && part_o.size(1) == hq &&
               part_o.size(2) == d && part_lse.size(1) == hq, "partial buffers: [P, Hq, D]");
   Dims dm{hq, hkv, d, hq / hkv, page_size, window, q.stride(0), q.stride(1), out.stride(0),
-          out.stride(1), k_buf.stride(0), k_buf.stride(1), page_table.stride(0)};
+          out.stride(1), k_buf.stride(0), k_buf.stride(1), page_table.stride(0), kv_layout};
   const int64_t n_items = items.size(0), n_red = reduces.size(0);
   const int32_t* it = items.data_ptr<int32_t>();
   int64_t max_nq = 1;
@@ -937,11 +1166,15 @@ void paged_attention(
 
 // A plain dispatcher op (no pybind11: the extension compiles much faster), called as
 // torch.ops.radixlm_cpu.paged_attention(...).
+// Whether this build multiplies bf16 pairs (AVX512_BF16): the pairs16 KV layout needs it.
+bool has_bf16_dot() { return kHasBf16Dot; }
+
 TORCH_LIBRARY(radixlm_cpu, m) {
+  m.def("has_bf16_dot() -> bool", &has_bf16_dot);
   m.def(
       "paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor(a!) out, Tensor page_table, "
       "Tensor items, Tensor item_rows, Tensor reduces, Tensor(b!) part_o, Tensor(c!) part_lse, "
-      "int page_size, float scale, int window=0) -> ()");
+      "int page_size, float scale, int window=0, int kv_layout=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention);

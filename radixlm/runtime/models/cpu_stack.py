@@ -149,4 +149,5 @@ class CpuDecoderStack:
             part_lse,
             batch.page_size,
             self.scale,
+            attn.kv_layout,
         )
