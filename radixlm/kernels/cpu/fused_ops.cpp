@@ -331,6 +331,17 @@ void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, con
             for (int64_t hh = 0; hh < hkv; ++hh) {
               const X* src = xp + i * x.stride(0) + hh * x.stride(1);
               C* dst = blk + hh * 16 * d;
+              if constexpr (std::is_same_v<C, X> && sizeof(C) == 2) {
+                if (is_k) {  // (d, d + 1) pairs: one 32-bit copy each, 16 words apart
+                  uint32_t* dk = reinterpret_cast<uint32_t*>(dst) + o;
+                  for (int64_t p = 0; p < d / 2; ++p)
+                    std::memcpy(dk + 16 * p, src + 2 * p, sizeof(uint32_t));
+                } else {  // one half of each (key 2i, key 2i + 1) pair
+                  C* dv = dst + (o / 2) * 2 * d + o % 2;
+                  for (int64_t j = 0; j < d; ++j) dv[2 * j] = src[j];
+                }
+                continue;
+              }
               for (int64_t j = 0; j < d; ++j) {
                 const int64_t at = is_k ? (j / 2) * 32 + 2 * o + j % 2 : (o / 2) * 2 * d + 2 * j + o % 2;
                 if constexpr (std::is_same_v<C, X>) {
