@@ -1,7 +1,8 @@
-"""Decode attention over a shared system prompt: shared-prefix items on vs off (CPU op).
+"""Decode attention over a shared system prompt: shared-prefix items on vs off (CPU op), in
+each KV layout (`flat`; `pairs16`, the bf16 layout of CPUs with AVX512_BF16).
 
     .venv/bin/python benchmarks/kernels/bench_shared_prefix.py [--threads 2] [--iters 15]
-        [--out benchmarks/results/shared_prefix_attention.json]
+        [--layouts flat,pairs16] [--out benchmarks/results/shared_prefix_attention.json]
 
 SmolLM2-135M shapes (9 query / 3 KV heads, head dim 64, bf16, pages of 16 scattered at random)
 and all 30 layers' K/V buffers, so a step streams them from memory as a real decode step does.
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
 from bench_peers import cpu_description  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 9, 3, 64, 16, 30
-CASES = [(8, 1300, 1024), (32, 1100, 1024), (8, 300, 0), (32, 300, 0)]  # (B, L, S)
+CASES = [(8, 1300, 1024), (32, 1100, 1024), (8, 300, 0), (32, 300, 0), (64, 512, 0)]  # (B, L, S)
 
 
-def case_ms(b: int, ctx: int, shared: int, iters: int) -> dict[str, float]:
+def case_ms(b: int, ctx: int, shared: int, iters: int, layout: str = "flat") -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     pages_per_row = -(-ctx // PAGE)
     num_pages = b * pages_per_row + 8
@@ -42,7 +43,7 @@ def case_ms(b: int, ctx: int, shared: int, iters: int) -> dict[str, float]:
         [torch.randn(shape, generator=gen).bfloat16() for _ in range(LAYERS)],
         [torch.randn(shape, generator=gen).bfloat16() for _ in range(LAYERS)],
         PAGE,
-    )
+    ).as_layout(layout)
     perm = torch.randperm(num_pages, generator=gen).tolist()
     common = perm[: shared // PAGE]
     nxt = len(common)
@@ -76,6 +77,7 @@ def case_ms(b: int, ctx: int, shared: int, iters: int) -> dict[str, float]:
             times[mode].append((time.perf_counter() - t) * 1e3)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     return {
+        "layout": layout,
         "batch": b,
         "context": ctx,
         "shared": shared,
@@ -90,6 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--layouts", default="flat,pairs16", help="comma list of KV layouts")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -97,13 +100,14 @@ def main() -> None:
     print(f"CPU: {cpu_description()}; threads {args.threads}; load average {load}")
     rows = []
     for b, ctx, shared in CASES:
-        r = case_ms(b, ctx, shared, args.iters)
-        rows.append(r)
-        print(
-            f"B={b:>2} ctx {ctx:>4} shared {shared:>4}: off {r['off_ms']:7.2f} ms, "
-            f"on {r['on_ms']:7.2f} ms ({r['speedup']:.2f}x, {r['shared_items']} shared items)",
-            flush=True,
-        )
+        for layout in args.layouts.split(","):
+            r = case_ms(b, ctx, shared, args.iters, layout)
+            rows.append(r)
+            print(
+                f"{layout:>7} B={b:>2} ctx {ctx:>4} shared {shared:>4}: off {r['off_ms']:7.2f} ms, "
+                f"on {r['on_ms']:7.2f} ms ({r['speedup']:.2f}x, {r['shared_items']} shared items)",
+                flush=True,
+            )
     print(f"load average at the end {os.getloadavg()}")
     if args.out:
         meta = {"cpu": cpu_description(), "threads": args.threads, "loadavg_start": load}
