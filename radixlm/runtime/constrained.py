@@ -8,7 +8,8 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    sets the forbidden logits to ``-inf`` on the logits' device.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
 3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
-   schema refuses is masked and its row resampled, until one stands or none is left.
+   schema refuses is masked and its row resampled, until one stands or none is left (a dead
+   end: the scheduler rolls the request back, ``TokenAppender.roll_back``, or fails it).
 4. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
    grammar forces, possibly replacing the sampled token (``num_rollback``); ``must_stop`` says
    the grammar allows nothing but EOS now, so the request finishes with "stop".
@@ -42,16 +43,20 @@ from radixlm.runtime.request import Request
 # Redraws of one row before every allowed token is checked at once (a dead end).
 _MAX_REDRAWS = 16
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
+MAX_ROLLBACKS = 32  # dead ends one request may leave by rolling back (then DEAD_END)
 
 
 @dataclass
 class KeywordStats:
-    """Per relaxed keyword: sampled tokens the verifier refused (each masked), redraws after
-    them, and rows left with no allowed token (the request ends with ``DEAD_END``)."""
+    """Per relaxed keyword: sampled tokens the verifier refused (each masked; a token banned
+    after a rollback counts under the keyword of its dead end), redraws after them, rows left
+    with no allowed token (dead ends), and the dead ends left by a rollback (the others end
+    their request with ``DEAD_END``)."""
 
     masked: int = 0
     resampled: int = 0
     dead_ends: int = 0
+    rollbacks: int = 0
 
 
 Redraw = Callable[[int], tuple[int, Any]]
@@ -81,6 +86,7 @@ class GrammarStep:
         self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
+        self.max_rollbacks = MAX_ROLLBACKS  # per request (``GrammarMatcher.backtrack``)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:
@@ -149,6 +155,7 @@ class GrammarStep:
                         f"the JSON schema's {keyword!r} refuses every continuation the grammar "
                         "allows here; the output so far is a prefix of no valid instance",
                         DEAD_END,
+                        keyword,
                     )
                     break
                 tokens[i], logprobs[i] = redraw(i)
@@ -158,6 +165,10 @@ class GrammarStep:
         self.verifier_seconds += elapsed
         self.seconds += elapsed
         return errors
+
+    def record_rollback(self, keyword: str) -> None:
+        """A dead end refused by ``keyword`` was left by a rollback (the scheduler's)."""
+        self.verifier_stats.setdefault(keyword, KeywordStats()).rollbacks += 1
 
     def verifier_events(self) -> dict[str, dict[str, int]]:
         """``verifier_stats`` as plain counts per keyword (a snapshot)."""

@@ -40,6 +40,13 @@ class Hooks(Protocol):
     def item(self, nodes: Nodes, earlier: tuple[Any, ...], value: Any) -> str | None: ...
     def value(self, nodes: Nodes, span: str) -> str | None: ...
     def string_prefix(self, nodes: Nodes, text: str) -> str | None: ...
+    def checks_value(self, nodes: Nodes) -> bool:
+        """``value`` may refuse a value at ``nodes`` (a relaxed keyword applies there)."""
+        ...
+
+    def checks_key(self, nodes: Nodes) -> bool:
+        """``key`` / ``key_prefix`` may refuse a key of an object at ``nodes``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,31 @@ def advance_value(
         return scan.state(), taken
     except Refused as exc:
         return exc.keyword
+
+
+def open_checked(state: ScanState, hooks: Hooks) -> int | None:
+    """The start (an offset in ``state.text``) of the innermost open value whose completion
+    ``hooks`` may still refuse: a checked value or key, an item of an array that keeps its items
+    (``uniqueItems``), a string with a prefix check; None when every open value is past its
+    checks. A refusal met later can only come from that value or an enclosing one."""
+    stack = state.stack
+    sc = state.scalar
+    if sc is not None and sc.kind != "literal":  # a literal was checked at its first letter
+        top = stack[-1] if stack else None
+        if sc.key:
+            checked = hooks.checks_key(sc.nodes)
+        else:
+            item = top is not None and top.array and hooks.keeps_items(top.nodes)
+            checked = sc.prefix_check or item or hooks.checks_value(sc.nodes)
+        if checked:
+            return sc.start
+    for i in range(len(stack) - 1, -1, -1):
+        frame = stack[i]
+        parent = stack[i - 1] if i else None
+        item = parent is not None and parent.array and hooks.keeps_items(parent.nodes)
+        if item or hooks.checks_value(frame.nodes):
+            return frame.start
+    return None
 
 
 def ended(state: ScanState) -> bool:

@@ -129,6 +129,12 @@ class SchemaVerifier:
         error = jsonschema.exceptions.best_match(v.iter_errors(instance))
         return _keyword_of(error)
 
+    def checks_value(self, nodes: Nodes) -> bool:
+        return any(self.tainted(n) for n in nodes)
+
+    def checks_key(self, nodes: Nodes) -> bool:
+        return any("propertyNames" in n.get(VERIFY_KEY, ()) for n in nodes)
+
     def keeps_items(self, nodes: Nodes) -> bool:
         return any(n.get("uniqueItems") is True and VERIFY_KEY in n for n in nodes)
 
