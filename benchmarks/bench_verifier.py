@@ -20,12 +20,14 @@ checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` rea
 
 Per group, from the engine's grammar step (counters read before and after the batch): the
 verifier's events per keyword (``masked``: sampled tokens refused and masked, ``resampled``:
-redraws, ``dead_ends``), the seconds spent checking sampled tokens (``verifier_s``) and in
-the whole grammar step (masks, accept, jump-forward, checks: ``grammar_s``), per generated
-token (``verifier_us_per_token``) and as a share of the batch's wall time. The wall includes
-prefill and the batch's tail, so the shares are a lower bound of the per-decode-step share;
-run it on a quiet box for figures. ``--smoke``: two schemas, two samples, 48 tokens (a check
-that the script runs, nothing to report).
+redraws, ``dead_ends``: rows left with no token, ``rollbacks``: dead ends left by rolling the
+request back a token and banning it there; the rest end as ``dead_end``), the seconds spent
+checking sampled tokens (``verifier_s``) and in the whole grammar step (masks, accept,
+jump-forward, checks: ``grammar_s``), per generated token (``verifier_us_per_token``) and as a
+share of the batch's wall time. The wall includes prefill and the batch's tail, so the shares
+are a lower bound of the per-decode-step share; run it on a quiet box for figures.
+``--smoke``: two schemas, two samples, 48 tokens (a check that the script runs, nothing to
+report).
 """
 
 from __future__ import annotations
@@ -280,13 +282,15 @@ def main() -> None:
     print(f"{'group':<22} {'n':>4} {'valid':>6} {'cut':>5} {'dead':>5} {'inval':>6} "
           f"{'err':>4} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7}  events")  # fmt: skip
     for r in rows:
-        events = ", ".join(f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}"
-                           for k, v in sorted(r["events"].items()))  # fmt: skip
+        events = ", ".join(
+            f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}/{v.get('rollbacks', 0)}"
+            for k, v in sorted(r["events"].items())
+        )
         print(f"{r['group']:<22} {r['n']:>4} {r['valid']:>6} {r['cut']:>5} {r['dead_end']:>5} "
               f"{r['invalid']:>6} {r['error']:>4} {r['verifier_us_per_token']:>11.1f} "
               f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}%  "
               f"{events}")  # fmt: skip
-    print("events per keyword: masked/resampled/dead_ends")
+    print("events per keyword: masked/resampled/dead_ends/rollbacks")
     for r in rows:
         for o in r["outcomes"]:
             if o["status"] in ("invalid", "error"):

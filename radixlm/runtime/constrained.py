@@ -40,8 +40,10 @@ from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
-# Redraws of one row before every allowed token is checked at once (a dead end).
+# Redraws of one row before the likeliest allowed tokens are checked at once, _FIRST_SCAN of
+# them, twice as many each time after (all of them, at worst: a dead end).
 _MAX_REDRAWS = 16
+_FIRST_SCAN = 64
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 MAX_ROLLBACKS = 32  # dead ends one request may leave by rolling back (then DEAD_END)
 
@@ -141,14 +143,15 @@ class GrammarStep:
         for i, m in enumerate(matchers):
             if not isinstance(m, VerifiedMatcher):
                 continue
-            redraws = 0
+            redraws, scan = 0, _FIRST_SCAN
             while (keyword := m.check_token(tokens[i])) is not None:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i, tokens[i]] = float("-inf")
                     if redraws >= _MAX_REDRAWS:
-                        self._mask_refused(m, logits[i])
+                        self._mask_refused(m, logits[i], scan)
+                        scan *= 2
                 if not bool(torch.isfinite(logits[i]).any()):
                     stats.dead_ends += 1
                     errors[i] = SampleError(
@@ -175,10 +178,15 @@ class GrammarStep:
         return {k: asdict(v) for k, v in list(self.verifier_stats.items())}
 
     @staticmethod
-    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor) -> None:
-        """``row[t] = -inf`` for every still-allowed token the verifier refuses."""
-        allowed = torch.isfinite(row).nonzero().flatten().tolist()
-        refused = [t for t in allowed if matcher.check_token(t) is not None]
+    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor, most: int) -> None:
+        """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
+        verifier refuses (not all of them: inside a string with a prefix check each is a scan; the
+        redraw that follows is still exact: masking refused tokens leaves the others' odds)."""
+        allowed = int(torch.isfinite(row).sum())
+        if allowed == 0:
+            return
+        top = torch.topk(row, min(most, allowed)).indices.tolist()
+        refused = [t for t in top if matcher.check_token(t) is not None]
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
 

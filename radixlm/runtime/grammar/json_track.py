@@ -102,9 +102,36 @@ def decode_partial(data: bytes) -> tuple[str, bytes]:
 
 def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> ScanState | str:
     """``advance`` on UTF-8 bytes (a token's), keeping an incomplete character for later."""
+    sc = state.scalar
+    if sc is not None and sc.kind == "string" and not (sc.escape or state.pending):
+        inside = _inside_string(state, sc, data, hooks)
+        if inside is not None:
+            return inside
     text, pending = decode_partial(state.pending + data)
     out = advance(replace(state, pending=b""), text, hooks, root)
     return replace(out, pending=pending) if isinstance(out, ScanState) else out
+
+
+def _inside_string(
+    state: ScanState, sc: Scalar, data: bytes, hooks: Hooks
+) -> ScanState | str | None:
+    """The fast path of ``advance_bytes`` for whole characters that stay inside an open string
+    (no quote, no backslash): only the prefix check runs. None: not such ``data``."""
+    if b'"' in data or b"\\" in data:
+        return None
+    try:
+        chunk = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    text = state.text + chunk
+    if sc.prefix_check:
+        prefix = _decoded_prefix(text[sc.start + 1 :])
+        if prefix is not None:
+            check = hooks.key_prefix if sc.key else hooks.string_prefix
+            keyword = check(sc.nodes, prefix)
+            if keyword is not None:
+                return keyword
+    return ScanState(text, state.stack, sc, state.done)
 
 
 def advance(state: ScanState, chunk: str, hooks: Hooks, root: Nodes) -> ScanState | str:
@@ -314,6 +341,8 @@ class _Scan:
 def _decoded_prefix(raw: str) -> str | None:
     """The string value spelled so far by JSON string text ``raw`` (after its opening quote),
     or None while it ends inside an escape."""
+    if "\\" not in raw:
+        return raw  # no escape: the text is the value (the grammar admits no control character)
     try:
         return json.loads(f'"{raw}"')
     except ValueError:
