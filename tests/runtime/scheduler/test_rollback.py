@@ -41,6 +41,13 @@ VOCAB_BYTES = (None, None, None, *(c.encode() for c in ALPHABET))
 JSON_VOCAB = TokenVocab(VOCAB_BYTES, (EOS,), encode=encode)
 
 
+class SpellTokenizer:
+    """The detokenizer's view of ``ALPHABET``: one character per token."""
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return spell(ids)
+
+
 class ScriptedRunner(FakeRunner):
     """Prefers the next character of ``script`` while the output (read back from the KV pages)
     spells a prefix of it, else the characters of ``fallback`` in order; EOS comes where the
@@ -65,7 +72,7 @@ def make(runner: ScriptedRunner, max_rollbacks: int | None = None) -> Scheduler:
     backend = get_backend("xgrammar")(JSON_VOCAB)
     mgr = GrammarManager(None, VOCAB, [EOS], backend)
     pool = BlockPool(runner.num_pages, runner.page_size)
-    appender = TokenAppender(None, [EOS], 4096)
+    appender = TokenAppender(SpellTokenizer(), [EOS], 4096)
     step = GrammarStep(mgr, runner.device)
     if max_rollbacks is not None:
         step.max_rollbacks = max_rollbacks
@@ -83,6 +90,7 @@ def submit(s: Scheduler, schema: dict, rid: str = "r") -> tuple[Request, list[Re
     s.mgr.validate(c)
     r.grammar_future = s.mgr.submit(c)
     r.grammar_future.result(timeout=30)
+    s.appender.init_request(r)
     s.add_request(r)
     return r, deltas
 
@@ -104,7 +112,11 @@ def run(s: Scheduler, watch: Request | None = None) -> list[int]:
 
 
 def streamed(deltas: list[RequestOutput]) -> list[int]:
-    return [t for d in deltas for t in d.token_ids]
+    """The tokens streamed, checking that the text streamed spells them (the detokenizer,
+    replayed after each rollback, agrees with what was released)."""
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert "".join(d.text for d in deltas) == spell(tokens)
+    return tokens
 
 
 def stats(s: Scheduler, keyword: str) -> tuple[int, int]:
