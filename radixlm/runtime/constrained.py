@@ -19,9 +19,9 @@ Invariants:
 - A constrained row is never left without an allowed token: a suppression that would empty it
   is dropped (EOS / stop ids are then allowed although fewer than ``min_new_tokens`` exist).
 - ``advance`` returns the tokens to append; the matcher has accepted exactly them (after the
-  request's earlier output). Only the just-sampled token can be rolled back: its KV was never
-  computed, so replacing it costs nothing; the scheduler computes all appended tokens in the
-  next step's extend.
+  request's earlier output). Jump-forward rolls back only the just-sampled token: its KV was
+  never computed, so replacing it costs nothing; the scheduler computes all appended tokens in
+  the next step's extend. (A dead end's rollback is the scheduler's: ``TokenAppender``.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Constrained requests: `grammar_future` (set at submit) resolves to the compiled 
 scheduler admits the request only then and gives it `grammar`, its matcher. NOTE: the matcher
 has accepted exactly the output tokens (`output_token_ids`) at all times while the request is
 unfinished, so retraction (which keeps `token_ids`) needs nothing, and an n > 1 branch starts
-from a fork of its parent's matcher taken before the first sample.
+from a fork of its parent's matcher taken before the first sample. A verified request's last
+output tokens may be `held` (not yet released to the client): a dead end may roll them back.
 """
 
 from __future__ import annotations
