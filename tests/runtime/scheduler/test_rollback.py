@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import pytest
 import torch
 from fake_runner import EOS, VOCAB, FakeRunner, attach_core
 
@@ -68,8 +69,10 @@ class ScriptedRunner(FakeRunner):
         return row
 
 
-def make(runner: ScriptedRunner, max_rollbacks: int | None = None) -> Scheduler:
-    backend = get_backend("xgrammar")(JSON_VOCAB)
+def make(
+    runner: ScriptedRunner, max_rollbacks: int | None = None, backend_name: str = "xgrammar"
+) -> Scheduler:
+    backend = get_backend(backend_name)(JSON_VOCAB)
     mgr = GrammarManager(None, VOCAB, [EOS], backend)
     pool = BlockPool(runner.num_pages, runner.page_size)
     appender = TokenAppender(SpellTokenizer(), [EOS], 4096)
@@ -134,12 +137,13 @@ UNIQUE = {
 HUNDREDS = {"type": "integer", "minimum": 100, "maximum": 199, "not": {"minimum": 110}}
 
 
-def test_a_unique_items_dead_end_rolls_back_and_completes_valid():
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance", "outlines"])
+def test_a_unique_items_dead_end_rolls_back_and_completes_valid(backend):
     """``["ac","ab","a`` has no valid completion (both "ab" and "ac" are taken): the "a" is
-    rolled back and banned, the model's next choice "b" completes a valid array. The tokens of
-    the open item were held back, so the stream never showed the "a"."""
+    rolled back (each backend's matcher) and banned, the model's next choice "b" completes a
+    valid array. The open item's tokens were held back: the stream never showed the "a"."""
     runner = ScriptedRunner('["ac","ab","a', fallback='"]b,ac')
-    s = make(runner)
+    s = make(runner, backend_name=backend)
     r, deltas = submit(s, UNIQUE)
     held = run(s, watch=r)
     out = spell(r.output_token_ids)
