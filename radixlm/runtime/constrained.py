@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from radixlm.config import EngineConfig
 from radixlm.runtime.batch import SampleError
 from radixlm.runtime.grammar.base import GrammarMatcher
 from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bits
@@ -45,7 +46,6 @@ from radixlm.runtime.request import Request
 _MAX_REDRAWS = 16
 _FIRST_SCAN = 64
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
-MAX_ROLLBACKS = 32  # dead ends one request may leave by rolling back (then DEAD_END)
 
 
 @dataclass
@@ -77,7 +77,12 @@ class GrammarStep:
     """The grammar work of one decoding step; used by the executor (``mask``) and the
     scheduler's ``TokenAppender`` (``advance``), on the step thread."""
 
-    def __init__(self, manager: GrammarManager, device: torch.device) -> None:
+    def __init__(
+        self,
+        manager: GrammarManager,
+        device: torch.device,
+        max_rollbacks: int = EngineConfig.grammar_max_rollbacks,
+    ) -> None:
         self.manager = manager
         self.device = device
         self._pin = device.type == "cuda"
@@ -88,7 +93,7 @@ class GrammarStep:
         self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
-        self.max_rollbacks = MAX_ROLLBACKS  # per request (``GrammarMatcher.backtrack``)
+        self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:

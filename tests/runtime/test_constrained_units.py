@@ -50,6 +50,9 @@ def test_engine_config_and_cli_flags():
     assert cfg.grammar_timeout_s == 30.0
     with pytest.raises(ValueError, match="grammar_timeout_s"):
         EngineConfig(grammar_timeout_s=0)
+    assert cfg.grammar_max_rollbacks == 32
+    with pytest.raises(ValueError, match="grammar_max_rollbacks"):
+        EngineConfig(grammar_max_rollbacks=-1)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     kw = engine_kwargs(parser.parse_args([]))
@@ -58,6 +61,8 @@ def test_engine_config_and_cli_flags():
     kw = engine_kwargs(parser.parse_args(args))
     assert kw["grammar_backend"] == "outlines" and kw["enable_jump_forward"] is False
     assert kw["grammar_timeout_s"] == 5.0
+    kw = engine_kwargs(parser.parse_args(["--grammar-max-rollbacks", "4"]))
+    assert kw["grammar_max_rollbacks"] == 4
     assert (
         engine_kwargs(parser.parse_args(["--enable-jump-forward", "false"]))["enable_jump_forward"]
         is False

@@ -76,9 +76,7 @@ def make(
     mgr = GrammarManager(None, VOCAB, [EOS], backend)
     pool = BlockPool(runner.num_pages, runner.page_size)
     appender = TokenAppender(SpellTokenizer(), [EOS], 4096)
-    step = GrammarStep(mgr, runner.device)
-    if max_rollbacks is not None:
-        step.max_rollbacks = max_rollbacks
+    step = GrammarStep(mgr, runner.device, *([] if max_rollbacks is None else [max_rollbacks]))
     appender.set_grammar(step)
     s = Scheduler(pool, RadixCache(pool), SchedulerConfig(), appender, 4096, debug_integrity=True)
     s.mgr = mgr
