@@ -112,11 +112,19 @@ class PageManager:
     def trim(self, req: Request) -> None:
         """Free the pages past those `req.token_ids` needs (a speculative draft's rejected
         tail, or tokens a dead end rolled back: private, never in the tree; their slots are
-        written again when reached)."""
+        written again when reached). The page the next computed token is written into must be
+        `req`'s alone: when another request holds it too (n > 1 branches share the prompt's
+        full pages), it is dropped and its tokens are computed again into a fresh page."""
         need = -(-req.num_tokens // self.page_size)
         if len(req.pages) > need:
             self.pool.decref(req.pages[need:])
             del req.pages[need:]
+            req.page_gen += 1
+        k = req.num_computed_tokens // self.page_size
+        if k < len(req.pages) and self.pool.ref(req.pages[k]) > 1:
+            self.pool.decref(req.pages[k:])
+            del req.pages[k:]
+            req.num_computed_tokens = k * self.page_size
             req.page_gen += 1
 
     def cache_computed(self, req: Request) -> None:
