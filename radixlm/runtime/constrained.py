@@ -149,13 +149,14 @@ class GrammarStep:
             if not isinstance(m, VerifiedMatcher):
                 continue
             redraws, scan = 0, _FIRST_SCAN
-            while (keyword := m.check_token(tokens[i])) is not None:
+            passed: set[int] = set()  # tokens a scan found the verifier admits
+            while tokens[i] not in passed and (keyword := m.check_token(tokens[i])) is not None:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i, tokens[i]] = float("-inf")
                     if redraws >= _MAX_REDRAWS:
-                        self._mask_refused(m, logits[i], scan)
+                        self._mask_refused(m, logits[i], scan, passed)
                         scan *= 2
                 if not bool(torch.isfinite(logits[i]).any()):
                     stats.dead_ends += 1
@@ -183,15 +184,24 @@ class GrammarStep:
         return {k: asdict(v) for k, v in list(self.verifier_stats.items())}
 
     @staticmethod
-    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor, most: int) -> None:
+    def _mask_refused(
+        matcher: VerifiedMatcher, row: torch.Tensor, most: int, passed: set[int]
+    ) -> None:
         """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
-        verifier refuses (not all of them: inside a string with a prefix check each is a scan; the
-        redraw that follows is still exact: masking refused tokens leaves the others' odds)."""
+        verifier refuses; those it admits join ``passed`` (not checked again). Not all of them:
+        inside a string with a prefix check each is a scan. The redraw that follows is still
+        exact: masking refused tokens leaves the others' odds as they were."""
         allowed = int(torch.isfinite(row).sum())
         if allowed == 0:
             return
         top = torch.topk(row, min(most, allowed)).indices.tolist()
-        refused = [t for t in top if matcher.check_token(t) is not None]
+        refused = []
+        for t in top:
+            if t not in passed:
+                if matcher.check_token(t) is None:
+                    passed.add(t)
+                else:
+                    refused.append(t)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
 
