@@ -54,8 +54,8 @@ class ScriptedRunner(FakeRunner):
     spells a prefix of it, else the characters of ``fallback`` in order; EOS comes where the
     grammar allows nothing else. Stale K/V after a rollback would derail the script."""
 
-    def __init__(self, script: str, fallback: str) -> None:
-        super().__init__(num_pages=64, page_size=4)
+    def __init__(self, script: str, fallback: str, num_pages: int = 64) -> None:
+        super().__init__(num_pages=num_pages, page_size=4)
         self.script = script
         self.fallback = fallback
 
@@ -83,11 +83,13 @@ def make(
     return attach_core(s, runner, grammar=step)
 
 
-def submit(s: Scheduler, schema: dict, rid: str = "r") -> tuple[Request, list[RequestOutput]]:
+def submit(
+    s: Scheduler, schema: dict, rid: str = "r", prompt: list[int] = PROMPT
+) -> tuple[Request, list[RequestOutput]]:
     c = Constraint.from_params(json_schema=schema)
     deltas: list[RequestOutput] = []
     params = SamplingParams(max_new_tokens=48, temperature=0, constraint=c)
-    r = Request(rid, list(PROMPT), params, sink=deltas.append)
+    r = Request(rid, list(prompt), params, sink=deltas.append)
     s.mgr.validate(c)
     r.grammar_future = s.mgr.submit(c)
     r.grammar_future.result(timeout=30)
@@ -104,7 +106,7 @@ def run(s: Scheduler, watch: Request | None = None) -> list[int]:
         if not s.has_work():
             return held
         s.step()
-        if watch is not None and not watch.is_finished and watch.pages:
+        if watch is not None and not watch.is_finished:
             held.append(len(watch.held))
             assert len(watch.pages) <= -(-watch.num_tokens // s.page_size)  # none past them
             cached = s.cache.match_prefix(watch.token_ids, watch.namespace).num_tokens
@@ -187,3 +189,23 @@ def test_a_spent_budget_ends_with_grammar_dead_end_and_the_engine_keeps_serving(
     assert again.finish_reason == "stop"
     jsonschema.validate(json.loads(spell(again.output_token_ids)), UNIQUE)
     assert s.pool.num_held == 0
+
+
+def test_retraction_caches_no_held_token_and_the_rollback_still_completes():
+    """A pool too small for both requests: one is retracted (its computed pages cached, then
+    matched when it comes back) in the middle of a long item it holds back; the tree never
+    holds those tokens (``run`` checks each step) and both complete valid after a rollback."""
+    schema = {**UNIQUE, "items": {"type": "string", "pattern": "^(ab|ac|b|abcdefghijkl)$"}}
+    runner = ScriptedRunner('["ac","ab","abcdefghijkl","a', fallback='"]b,ac', num_pages=12)
+    s = make(runner)
+    a, a_deltas = submit(s, schema, "a")
+    b, b_deltas = submit(s, schema, "b", prompt=[45, 46, 47, 48, 49])
+    run(s, watch=b)
+    assert s.num_retractions > 0 and b.num_retractions > 0
+    for r, deltas in ((a, a_deltas), (b, b_deltas)):
+        assert r.finish_reason == "stop", (r.finish_reason, r.error)
+        assert spell(r.output_token_ids) == '["ac","ab","abcdefghijkl","b"]'
+        assert streamed(deltas) == r.output_token_ids
+    assert stats(s, "uniqueItems") == (4, 4)  # each: "ab" then "ac" turn out used
+    assert s.pool.num_held == 0
+    s.check_integrity()
