@@ -228,7 +228,7 @@ class _Scan:
                 break
         self.text = self.text[: base + taken]
         sc = self.scalar
-        if sc is not None and sc.prefix_check and sc.kind == "string" and not sc.escape:
+        if sc is not None and sc.prefix_check and sc.kind == "string":
             raw = self.text[sc.start + 1 :]
             prefix = _decoded_prefix(raw)
             if prefix is not None:
@@ -340,10 +340,16 @@ class _Scan:
 
 def _decoded_prefix(raw: str) -> str | None:
     """The string value spelled so far by JSON string text ``raw`` (after its opening quote),
-    or None while it ends inside an escape."""
+    an escape still incomplete at its end left out (every continuation of the value starts
+    with the text before it); None when that cannot be decoded."""
     if "\\" not in raw:
         return raw  # no escape: the text is the value (the grammar admits no control character)
     try:
         return json.loads(f'"{raw}"')
+    except ValueError:
+        pass
+    cut = raw.rfind("\\")  # ``\``, ``\u00`` at the end (an earlier ``\\`` stays whole)
+    try:
+        return json.loads(f'"{raw[:cut]}"')
     except ValueError:
         return None

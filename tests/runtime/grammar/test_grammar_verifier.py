@@ -45,7 +45,15 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
     ),
     (
         {"type": "string", "pattern": "^(?!foo)[a-z]+$"},
-        [('"bar"', None), ('"foo"', "pattern"), ('"fo"', None)],
+        # ending inside an escape: checked up to it (the quote before it is refused)
+        [
+            ('"bar"', None),
+            ('"foo"', "pattern"),
+            ('"fo"', None),
+            ('"ab\\"\\', "pattern"),
+            ('"ab\\u00', None),
+            ('"ab\\u0022', "pattern"),
+        ],
     ),
     (
         {
