@@ -3,11 +3,15 @@ valid, and what does the checker do and cost, per keyword.
 
     .venv/bin/python benchmarks/bench_verifier.py [--samples 8] [--max-tokens 160]
         [--temperature 0.8] [--keywords uniqueItems,not,...] [--maskbench PATH --real 20]
-        [--dtype bfloat16] [--threads 2] [--out benchmarks/results/verifier.json] [--smoke]
+        [--no-dead-ends] [--dtype bfloat16] [--threads 2] [--out benchmarks/results/verifier.json]
+        [--smoke]
 
 Groups: one per keyword the grammar cannot express (``KEYWORD_SCHEMAS``: small schemas a
 135M model can fill, each needing the verifier for that keyword), ``tools`` (the same keywords
-in a tool's ``parameters``, through the ``tool_calls`` constraint), and with ``--maskbench``
+in a tool's ``parameters``, through the ``tool_calls`` constraint), ``dead_ends`` (unless
+``--no-dead-ends``: ``DEAD_END_SCHEMAS``, whose grammar-legal prefixes often have no valid
+completion, e.g. ``"a`` once ``ab``, ``ac``, ``ad`` are used: the rollback's work), and with
+``--maskbench``
 ``real``: up to ``--real`` schemas of jsonschemabench's maskbench folder (sorted names, every
 subset but the reserved Kubernetes / JsonSchemaStore) that compile strictly and need the
 verifier (``strict.verified_keywords``). Each group is one batch of ``--samples`` sampled
@@ -20,12 +24,14 @@ checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` rea
 
 Per group, from the engine's grammar step (counters read before and after the batch): the
 verifier's events per keyword (``masked``: sampled tokens refused and masked, ``resampled``:
-redraws, ``dead_ends``), the seconds spent checking sampled tokens (``verifier_s``) and in
-the whole grammar step (masks, accept, jump-forward, checks: ``grammar_s``), per generated
-token (``verifier_us_per_token``) and as a share of the batch's wall time. The wall includes
-prefill and the batch's tail, so the shares are a lower bound of the per-decode-step share;
-run it on a quiet box for figures. ``--smoke``: two schemas, two samples, 48 tokens (a check
-that the script runs, nothing to report).
+redraws, ``dead_ends``: rows left with no token, ``rollbacks``: dead ends left by rolling the
+request back a token and banning it there; the rest end as ``dead_end``), the seconds spent
+checking sampled tokens (``verifier_s``) and in the whole grammar step (masks, accept,
+jump-forward, checks: ``grammar_s``), per generated token (``verifier_us_per_token``) and as a
+share of the batch's wall time. The wall includes prefill and the batch's tail, so the shares
+are a lower bound of the per-decode-step share; run it on a quiet box for figures.
+``--smoke``: two schemas, two samples, 48 tokens (a check that the script runs, nothing to
+report).
 """
 
 from __future__ import annotations
@@ -94,6 +100,23 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["id", "name"], "unevaluatedProperties": False,
     },
 }  # fmt: skip
+# Schemas with grammar-legal prefixes that no valid instance continues (the rollback's work):
+# group ``dead_ends``. name -> (schema, a valid instance).
+DEAD_END_SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
+    "unique_codes": ({
+        "type": "object",
+        "properties": {"codes": {"type": "array", "minItems": 3, "maxItems": 4,
+                                 "items": {"type": "string", "pattern": "^(ab|ac|ad|b)$"},
+                                 "uniqueItems": True}},
+        "required": ["codes"], "additionalProperties": False,
+    }, {"codes": ["ab", "ac", "b"]}),
+    "not_range": ({
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 100, "maximum": 999,
+                             "not": {"minimum": 110, "maximum": 989}}},
+        "required": ["n"], "additionalProperties": False,
+    }, {"n": 105}),
+}  # fmt: skip
 RESERVED = ("Kubernetes", "JsonSchemaStore")  # issue 26: kept for independent checks
 
 
@@ -121,6 +144,10 @@ def keyword_cases(keywords: list[str]) -> list[Case]:
         if KEYWORD_SCHEMAS[k].get("type") == "object":
             cases.append(Case("tools", k, KEYWORD_SCHEMAS[k], tool=True))
     return cases
+
+
+def dead_end_cases() -> list[Case]:
+    return [Case("dead_ends", name, schema) for name, (schema, _) in DEAD_END_SCHEMAS.items()]
 
 
 def real_cases(folder: Path, limit: int) -> list[Case]:
@@ -254,6 +281,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--keywords", default=",".join(KEYWORD_SCHEMAS))
+    ap.add_argument("--no-dead-ends", action="store_true", help="skip the dead_ends group")
     ap.add_argument("--maskbench", type=Path, help="jsonschemabench's maskbench/data/ folder")
     ap.add_argument("--real", type=int, default=20, help="real schemas with --maskbench")
     ap.add_argument("--dtype", default="bfloat16")
@@ -267,6 +295,8 @@ def main() -> None:
     groups: dict[str, list[Case]] = {}
     for case in keyword_cases(keywords):
         groups.setdefault(case.group, []).append(case)
+    if not args.no_dead_ends:
+        groups["dead_ends"] = dead_end_cases()
     if args.maskbench:
         groups["real"] = real_cases(args.maskbench, 2 if args.smoke else args.real)
     engine = Engine(None, dtype=args.dtype, num_threads=args.threads)
@@ -280,13 +310,15 @@ def main() -> None:
     print(f"{'group':<22} {'n':>4} {'valid':>6} {'cut':>5} {'dead':>5} {'inval':>6} "
           f"{'err':>4} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7}  events")  # fmt: skip
     for r in rows:
-        events = ", ".join(f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}"
-                           for k, v in sorted(r["events"].items()))  # fmt: skip
+        events = ", ".join(
+            f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}/{v.get('rollbacks', 0)}"
+            for k, v in sorted(r["events"].items())
+        )
         print(f"{r['group']:<22} {r['n']:>4} {r['valid']:>6} {r['cut']:>5} {r['dead_end']:>5} "
               f"{r['invalid']:>6} {r['error']:>4} {r['verifier_us_per_token']:>11.1f} "
               f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}%  "
               f"{events}")  # fmt: skip
-    print("events per keyword: masked/resampled/dead_ends")
+    print("events per keyword: masked/resampled/dead_ends/rollbacks")
     for r in rows:
         for o in r["outcomes"]:
             if o["status"] in ("invalid", "error"):

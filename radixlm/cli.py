@@ -38,6 +38,8 @@ _HELP = {
     "enable_jump_forward": "append the text a grammar forces without sampling it "
     "(--disable-jump-forward turns it off)",
     "grammar_timeout_s": "seconds a grammar may take to compile before its request fails",
+    "grammar_max_rollbacks": "dead ends of the JSON-schema verifier one request may leave by "
+    "rolling back a token (then it fails with grammar_dead_end)",
     "page_size": "tokens per KV page",
     "num_pages": "KV pool size in pages (overrides the memory budget)",
     "kv_memory_bytes": "KV pool budget in bytes",

@@ -151,6 +151,8 @@ class EngineConfig:
     grammar_backend: str = "auto"
     enable_jump_forward: bool = True  # append grammar-forced tokens without sampling them
     grammar_timeout_s: float = 30.0  # a grammar compiling longer fails its request
+    # dead ends of the schema verifier one request may leave by rolling back a token
+    grammar_max_rollbacks: int = 32
     tp_size: int = 1  # tensor parallel ranks (radixlm.runtime.distributed)
     nnodes: int = 1  # nodes the tp ranks span
     node_rank: int = 0  # this node's index (0 runs the scheduler)
@@ -179,6 +181,10 @@ class EngineConfig:
         # here would pull in torch).
         if not self.grammar_timeout_s > 0:
             raise ConfigError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+        if self.grammar_max_rollbacks < 0:
+            raise ConfigError(
+                f"grammar_max_rollbacks must be >= 0, got {self.grammar_max_rollbacks}"
+            )
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.cache.hicache_enabled:

@@ -104,6 +104,7 @@ class SampleError:
 
     message: str
     code: str = "internal"
+    keyword: str | None = None  # a grammar dead end: the schema keyword refusing the last token
 
 
 @dataclass

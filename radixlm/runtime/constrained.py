@@ -8,7 +8,8 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    sets the forbidden logits to ``-inf`` on the logits' device.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
 3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
-   schema refuses is masked and its row resampled, until one stands or none is left.
+   schema refuses is masked and its row resampled, until one stands or none is left (a dead
+   end: the scheduler rolls the request back, ``TokenAppender.roll_back``, or fails it).
 4. ``advance``: the matcher accepts the sampled token, then jump-forward appends the text the
    grammar forces, possibly replacing the sampled token (``num_rollback``); ``must_stop`` says
    the grammar allows nothing but EOS now, so the request finishes with "stop".
@@ -18,9 +19,9 @@ Invariants:
 - A constrained row is never left without an allowed token: a suppression that would empty it
   is dropped (EOS / stop ids are then allowed although fewer than ``min_new_tokens`` exist).
 - ``advance`` returns the tokens to append; the matcher has accepted exactly them (after the
-  request's earlier output). Only the just-sampled token can be rolled back: its KV was never
-  computed, so replacing it costs nothing; the scheduler computes all appended tokens in the
-  next step's extend.
+  request's earlier output). Jump-forward rolls back only the just-sampled token: its KV was
+  never computed, so replacing it costs nothing; the scheduler computes all appended tokens in
+  the next step's extend. (A dead end's rollback is the scheduler's: ``TokenAppender``.)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from radixlm.config import EngineConfig
 from radixlm.runtime.batch import SampleError
 from radixlm.runtime.grammar.base import GrammarMatcher
 from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bits
@@ -39,19 +41,24 @@ from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
-# Redraws of one row before every allowed token is checked at once (a dead end).
+# Redraws of one row before the likeliest allowed tokens are checked at once, _FIRST_SCAN of
+# them, twice as many each time after (all of them, at worst: a dead end).
 _MAX_REDRAWS = 16
+_FIRST_SCAN = 64
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 
 
 @dataclass
 class KeywordStats:
-    """Per relaxed keyword: sampled tokens the verifier refused (each masked), redraws after
-    them, and rows left with no allowed token (the request ends with ``DEAD_END``)."""
+    """Per relaxed keyword: sampled tokens the verifier refused (each masked; a token banned
+    after a rollback counts under the keyword of its dead end), redraws after them, rows left
+    with no allowed token (dead ends), and the dead ends left by a rollback (the others end
+    their request with ``DEAD_END``)."""
 
     masked: int = 0
     resampled: int = 0
     dead_ends: int = 0
+    rollbacks: int = 0
 
 
 Redraw = Callable[[int], tuple[int, Any]]
@@ -70,7 +77,12 @@ class GrammarStep:
     """The grammar work of one decoding step; used by the executor (``mask``) and the
     scheduler's ``TokenAppender`` (``advance``), on the step thread."""
 
-    def __init__(self, manager: GrammarManager, device: torch.device) -> None:
+    def __init__(
+        self,
+        manager: GrammarManager,
+        device: torch.device,
+        max_rollbacks: int = EngineConfig.grammar_max_rollbacks,
+    ) -> None:
         self.manager = manager
         self.device = device
         self._pin = device.type == "cuda"
@@ -81,6 +93,7 @@ class GrammarStep:
         self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
+        self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         if self._bitmask.shape[0] < rows:
@@ -135,20 +148,23 @@ class GrammarStep:
         for i, m in enumerate(matchers):
             if not isinstance(m, VerifiedMatcher):
                 continue
-            redraws = 0
-            while (keyword := m.check_token(tokens[i])) is not None:
+            redraws, scan = 0, _FIRST_SCAN
+            passed: set[int] = set()  # tokens a scan found the verifier admits
+            while tokens[i] not in passed and (keyword := m.check_token(tokens[i])) is not None:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i, tokens[i]] = float("-inf")
                     if redraws >= _MAX_REDRAWS:
-                        self._mask_refused(m, logits[i])
+                        self._mask_refused(m, logits[i], scan, passed)
+                        scan *= 2
                 if not bool(torch.isfinite(logits[i]).any()):
                     stats.dead_ends += 1
                     errors[i] = SampleError(
                         f"the JSON schema's {keyword!r} refuses every continuation the grammar "
                         "allows here; the output so far is a prefix of no valid instance",
                         DEAD_END,
+                        keyword,
                     )
                     break
                 tokens[i], logprobs[i] = redraw(i)
@@ -159,15 +175,33 @@ class GrammarStep:
         self.seconds += elapsed
         return errors
 
+    def record_rollback(self, keyword: str) -> None:
+        """A dead end refused by ``keyword`` was left by a rollback (the scheduler's)."""
+        self.verifier_stats.setdefault(keyword, KeywordStats()).rollbacks += 1
+
     def verifier_events(self) -> dict[str, dict[str, int]]:
         """``verifier_stats`` as plain counts per keyword (a snapshot)."""
         return {k: asdict(v) for k, v in list(self.verifier_stats.items())}
 
     @staticmethod
-    def _mask_refused(matcher: VerifiedMatcher, row: torch.Tensor) -> None:
-        """``row[t] = -inf`` for every still-allowed token the verifier refuses."""
-        allowed = torch.isfinite(row).nonzero().flatten().tolist()
-        refused = [t for t in allowed if matcher.check_token(t) is not None]
+    def _mask_refused(
+        matcher: VerifiedMatcher, row: torch.Tensor, most: int, passed: set[int]
+    ) -> None:
+        """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
+        verifier refuses; those it admits join ``passed`` (not checked again). Not all of them:
+        inside a string with a prefix check each is a scan. The redraw that follows is still
+        exact: masking refused tokens leaves the others' odds as they were."""
+        allowed = int(torch.isfinite(row).sum())
+        if allowed == 0:
+            return
+        top = torch.topk(row, min(most, allowed)).indices.tolist()
+        refused = []
+        for t in top:
+            if t not in passed:
+                if matcher.check_token(t) is None:
+                    passed.add(t)
+                else:
+                    refused.append(t)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
 

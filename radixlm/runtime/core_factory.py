@@ -145,7 +145,7 @@ class EngineParts:
                         f"grammar backend {cfg.grammar_backend!r} is not installed "
                         f"(pip install 'radixlm[grammar]'): {exc}"
                     ) from None
-                step = GrammarStep(mgr, self.device)
+                step = GrammarStep(mgr, self.device, cfg.grammar_max_rollbacks)
                 self.appender.set_grammar(step)
                 self.executor.set_grammar(step)
                 self._grammar = mgr

@@ -51,7 +51,8 @@ class OutputProcessor:
     def _delta(self, req: Request, text: str) -> RequestOutput:
         key = id(req)
         start = self._emitted.get(key, 0)
-        new_tokens = req.token_ids[req.num_prompt_tokens + start :]  # only the new ones
+        # Only the new ones, and not those held back (``req.held``: they may be rolled back).
+        new_tokens = req.token_ids[req.num_prompt_tokens + start : req.num_final_tokens]
         new_lps = req.output_logprobs[start:] if req.params.logprobs else []
         finished = req.is_finished
         if finished:

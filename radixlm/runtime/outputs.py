@@ -130,5 +130,5 @@ class EngineStats:
     hicache_dropped_pages: int = 0
     hicache_write_errors: int = 0
     # Grammar verifier (schemas beyond context-free), per keyword: {"masked", "resampled",
-    # "dead_ends"} counts (``constrained.KeywordStats``).
+    # "dead_ends", "rollbacks"} counts (``constrained.KeywordStats``).
     verifier_events: dict[str, dict[str, int]] = field(default_factory=dict)

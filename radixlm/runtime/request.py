@@ -9,7 +9,8 @@ Constrained requests: `grammar_future` (set at submit) resolves to the compiled 
 scheduler admits the request only then and gives it `grammar`, its matcher. NOTE: the matcher
 has accepted exactly the output tokens (`output_token_ids`) at all times while the request is
 unfinished, so retraction (which keeps `token_ids`) needs nothing, and an n > 1 branch starts
-from a fork of its parent's matcher taken before the first sample.
+from a fork of its parent's matcher taken before the first sample. A verified request's last
+output tokens may be `held` (not yet released to the client): a dead end may roll them back.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class Request:
     output_counts: Counter[int] = field(default_factory=Counter, repr=False)
     # The incremental detokenizer: it finds stop strings, which end the sequence.
     detokenizer: Any = None
+    # The last output tokens held back from the client, (text, logprob) each: a verified
+    # request's open value that a dead end may still roll back (``GrammarMatcher.num_settled``).
+    held: list[tuple[str, TokenLogprob | None]] = field(default_factory=list, repr=False)
     # n > 1: branches still to fork from this request once its prompt is computed.
     pending_forks: int = 0
     first_token_time: float | None = None
@@ -146,6 +150,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_final_tokens(self) -> int:
+        """Tokens (prompt included) released to the client: never rolled back, the only ones
+        that may enter the radix tree while the request runs."""
+        return len(self.token_ids) - len(self.held)
 
     @property
     def num_output_tokens(self) -> int:
@@ -219,6 +229,7 @@ SEQUENCE_FIELDS = frozenset(
         "num_retractions",
         "output_counts",
         "detokenizer",
+        "held",
         "pending_forks",
         "first_token_time",
         "finish_time",

@@ -98,7 +98,8 @@ class EngineCollector(Collector):
         verifier = CounterMetricFamily(
             f"{PREFIX}_grammar_verifier_events",
             "Sampled tokens the JSON-schema verifier refused (masked), redraws after them "
-            "(resampled), and rows left with no allowed token (dead_ends), per keyword",
+            "(resampled), rows left with no allowed token (dead_ends) and dead ends left by "
+            "rolling back (rollbacks), per keyword",
             labels=["keyword", "event"],
         )
         for keyword, events in sorted(s.verifier_events.items()):

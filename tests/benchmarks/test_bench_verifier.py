@@ -37,6 +37,13 @@ def test_each_group_needs_the_verifier_for_its_keyword(keyword: str) -> None:
     assert verified_keywords(json.dumps(bv.KEYWORD_SCHEMAS[keyword])) == [keyword]
 
 
+@pytest.mark.parametrize("name", sorted(bv.DEAD_END_SCHEMAS))
+def test_dead_end_schemas_need_the_verifier_and_admit_an_instance(name: str) -> None:
+    schema, instance = bv.DEAD_END_SCHEMAS[name]
+    assert verified_keywords(json.dumps(schema))
+    assert bv._validates(schema, instance) == []
+
+
 def _result(text: str, reason: str = "stop", code: str | None = None) -> Any:
     out = SimpleNamespace(output_token_ids=[1, 2], finish_reason=reason, text=text,
                           error_code=code, error="e" if code else None)  # fmt: skip

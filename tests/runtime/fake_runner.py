@@ -50,9 +50,14 @@ class FakeRunner:
             ]
             vals = k[slots, 0, 0]
             assert bool((vals > 0).all()), f"request {i}: context slot never written"
-            context = [int(v) - 1 for v in vals]
-            logits[r, reference_next(context)] = 10.0
+            logits[r] = self.next_logits([int(v) - 1 for v in vals])
         return logits
+
+    def next_logits(self, context: list[int]) -> torch.Tensor:  # [V]
+        """The logits after `context` (read back from the pages): `reference_next` wins."""
+        row = torch.zeros(VOCAB)
+        row[reference_next(context)] = 10.0
+        return row
 
 
 def attach_core(scheduler, runner: FakeRunner, grammar=None):

@@ -50,6 +50,9 @@ def test_engine_config_and_cli_flags():
     assert cfg.grammar_timeout_s == 30.0
     with pytest.raises(ValueError, match="grammar_timeout_s"):
         EngineConfig(grammar_timeout_s=0)
+    assert cfg.grammar_max_rollbacks == 32
+    with pytest.raises(ValueError, match="grammar_max_rollbacks"):
+        EngineConfig(grammar_max_rollbacks=-1)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     kw = engine_kwargs(parser.parse_args([]))
@@ -58,6 +61,8 @@ def test_engine_config_and_cli_flags():
     kw = engine_kwargs(parser.parse_args(args))
     assert kw["grammar_backend"] == "outlines" and kw["enable_jump_forward"] is False
     assert kw["grammar_timeout_s"] == 5.0
+    kw = engine_kwargs(parser.parse_args(["--grammar-max-rollbacks", "4"]))
+    assert kw["grammar_max_rollbacks"] == 4
     assert (
         engine_kwargs(parser.parse_args(["--enable-jump-forward", "false"]))["enable_jump_forward"]
         is False
@@ -129,3 +134,40 @@ def test_sampler_logprobs_come_from_the_raw_logits():
     expected = torch.log_softmax(raw, dim=-1)[0]
     assert out.logprobs[0] == pytest.approx(float(expected[2]))
     assert out.top_logprobs[0][0][0] == 3  # the raw distribution's favourite, masked or not
+
+
+def test_verify_scans_the_likeliest_tokens_after_sixteen_redraws():
+    """A string that must start with "z" (a lookaround: the verifier's), the model preferring
+    19 other letters and then, below "z", 72 more refused characters: 16 refused redraws, then
+    one scan of the likeliest 64 masks the refused among them and finds "z", which the next
+    draw takes; the unlikely ones are never checked (still allowed in the row)."""
+    from radixlm.runtime.constrained import GrammarStep
+    from radixlm.runtime.grammar.base import get_backend
+    from radixlm.runtime.grammar.manager import GrammarManager
+    from radixlm.runtime.grammar.vocab import TokenVocab
+
+    eos = 256
+    vocab = TokenVocab(
+        tuple(bytes([b]) for b in range(256)) + (None,), (eos,), encode=lambda s: list(s.encode())
+    )
+    mgr = GrammarManager(None, 257, [eos], get_backend("xgrammar")(vocab))
+    schema = {"type": "string", "pattern": "^(?![a-y])[a-z]+$"}
+    m = mgr.submit(Constraint.from_params(json_schema=schema)).result(timeout=30).new_matcher()
+    assert m.accept_token(ord('"'))
+    step = GrammarStep(mgr, torch.device("cpu"))
+    logits = torch.full((1, 257), float("-inf"))
+    order = b"abcdefghijklmnopqrs" + b"z" + b"tuvwxy0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    order += b"!#$%&'()*+,-./:;<=>?@[]^_{|}~"
+    for k, c in enumerate(order):
+        logits[0, c] = 100.0 - k
+
+    def redraw(i: int) -> tuple[int, None]:
+        return int(logits[i].argmax()), None
+
+    tokens = [ord("a")]
+    assert step.verify([m], logits, tokens, [None], redraw) == {}
+    assert tokens == [ord("z")]
+    stats = step.verifier_stats["pattern"]
+    assert (stats.masked, stats.resampled) == (17, 17)
+    # "z" and the 10 least likely, below the 17 drawn and the 64 scanned, are left unmasked.
+    assert int(torch.isfinite(logits[0]).sum()) == len(order) - 17 - 64 + 1

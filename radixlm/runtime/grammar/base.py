@@ -43,6 +43,9 @@ class GrammarMatcher(abc.ABC):
     """One sequence's parser state (see the module docstring for the invariants). Not
     thread-safe: owned by the engine's step thread."""
 
+    # ``backtrack`` may roll back tokens after a dead end (a matcher with a verifier).
+    can_backtrack: ClassVar[bool] = False
+
     def __init__(self, vocab: TokenVocab) -> None:
         self.vocab = vocab
 
@@ -99,6 +102,16 @@ class GrammarMatcher(abc.ABC):
         self.fill_bitmask(mask, 0)
         set_bitmask_bits(mask, 0, self.vocab.eos_token_ids, allowed=False)
         return not bool(mask.any())
+
+    def num_settled(self) -> int:
+        """The accepted tokens that no dead end can take back (``backtrack``): all of them
+        unless a verifier still checks an open value (``verified.VerifiedMatcher``)."""
+        return self.num_accepted
+
+    def backtrack(self, floor: int, keyword: str, budget: int) -> int:
+        """Leave a dead end by rolling back; returns the tokens rolled back (0: cannot). A
+        grammar alone never meets a dead end (a row always has a continuation)."""
+        return 0
 
     def _check_rollback(self, num_tokens: int) -> None:
         if not 0 <= num_tokens <= self.num_accepted:

@@ -40,6 +40,13 @@ class Hooks(Protocol):
     def item(self, nodes: Nodes, earlier: tuple[Any, ...], value: Any) -> str | None: ...
     def value(self, nodes: Nodes, span: str) -> str | None: ...
     def string_prefix(self, nodes: Nodes, text: str) -> str | None: ...
+    def checks_value(self, nodes: Nodes) -> bool:
+        """``value`` may refuse a value at ``nodes`` (a relaxed keyword applies there)."""
+        ...
+
+    def checks_key(self, nodes: Nodes) -> bool:
+        """``key`` / ``key_prefix`` may refuse a key of an object at ``nodes``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,36 @@ def decode_partial(data: bytes) -> tuple[str, bytes]:
 
 def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> ScanState | str:
     """``advance`` on UTF-8 bytes (a token's), keeping an incomplete character for later."""
+    sc = state.scalar
+    if sc is not None and sc.kind == "string" and not (sc.escape or state.pending):
+        inside = _inside_string(state, sc, data, hooks)
+        if inside is not None:
+            return inside
     text, pending = decode_partial(state.pending + data)
     out = advance(replace(state, pending=b""), text, hooks, root)
     return replace(out, pending=pending) if isinstance(out, ScanState) else out
+
+
+def _inside_string(
+    state: ScanState, sc: Scalar, data: bytes, hooks: Hooks
+) -> ScanState | str | None:
+    """The fast path of ``advance_bytes`` for whole characters that stay inside an open string
+    (no quote, no backslash): only the prefix check runs. None: not such ``data``."""
+    if b'"' in data or b"\\" in data:
+        return None
+    try:
+        chunk = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    text = state.text + chunk
+    if sc.prefix_check:
+        prefix = _decoded_prefix(text[sc.start + 1 :])
+        if prefix is not None:
+            check = hooks.key_prefix if sc.key else hooks.string_prefix
+            keyword = check(sc.nodes, prefix)
+            if keyword is not None:
+                return keyword
+    return ScanState(text, state.stack, sc, state.done)
 
 
 def advance(state: ScanState, chunk: str, hooks: Hooks, root: Nodes) -> ScanState | str:
@@ -123,6 +157,31 @@ def advance_value(
         return scan.state(), taken
     except Refused as exc:
         return exc.keyword
+
+
+def open_checked(state: ScanState, hooks: Hooks) -> int | None:
+    """The start (an offset in ``state.text``) of the innermost open value whose completion
+    ``hooks`` may still refuse: a checked value or key, an item of an array that keeps its items
+    (``uniqueItems``), a string with a prefix check; None when every open value is past its
+    checks. A refusal met later can only come from that value or an enclosing one."""
+    stack = state.stack
+    sc = state.scalar
+    if sc is not None and sc.kind != "literal":  # a literal was checked at its first letter
+        top = stack[-1] if stack else None
+        if sc.key:
+            checked = hooks.checks_key(sc.nodes)
+        else:
+            item = top is not None and top.array and hooks.keeps_items(top.nodes)
+            checked = sc.prefix_check or item or hooks.checks_value(sc.nodes)
+        if checked:
+            return sc.start
+    for i in range(len(stack) - 1, -1, -1):
+        frame = stack[i]
+        parent = stack[i - 1] if i else None
+        item = parent is not None and parent.array and hooks.keeps_items(parent.nodes)
+        if item or hooks.checks_value(frame.nodes):
+            return frame.start
+    return None
 
 
 def ended(state: ScanState) -> bool:
@@ -169,7 +228,7 @@ class _Scan:
                 break
         self.text = self.text[: base + taken]
         sc = self.scalar
-        if sc is not None and sc.prefix_check and sc.kind == "string" and not sc.escape:
+        if sc is not None and sc.prefix_check and sc.kind == "string":
             raw = self.text[sc.start + 1 :]
             prefix = _decoded_prefix(raw)
             if prefix is not None:
@@ -281,8 +340,16 @@ class _Scan:
 
 def _decoded_prefix(raw: str) -> str | None:
     """The string value spelled so far by JSON string text ``raw`` (after its opening quote),
-    or None while it ends inside an escape."""
+    an escape still incomplete at its end left out (every continuation of the value starts
+    with the text before it); None when that cannot be decoded."""
+    if "\\" not in raw:
+        return raw  # no escape: the text is the value (the grammar admits no control character)
     try:
         return json.loads(f'"{raw}"')
+    except ValueError:
+        pass
+    cut = raw.rfind("\\")  # ``\``, ``\u00`` at the end (an earlier ``\\`` stays whole)
+    try:
+        return json.loads(f'"{raw[:cut]}"')
     except ValueError:
         return None

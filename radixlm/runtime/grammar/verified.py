@@ -21,11 +21,17 @@ Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
   whose completed values the exact schema admits; EOS is refused while the exact check of the
   end (a top-level number) fails, and ``is_completed`` says so.
 - One scanner state per accepted token: ``rollback`` and ``fork`` stay exact and cheap.
+- ``num_settled()``: the accepted tokens before the innermost open value the exact schema may
+  still refuse (``json_track.open_checked``); the tokens after it are the ones a dead end may
+  take back, so the scheduler holds them back from the client.
+- A dead end (no token left) is left by ``backtrack``: the last accepted token is rolled back
+  and banned at its position (``check_token`` / ``accept_token`` refuse it there, naming the
+  keyword of the dead end), within a budget of rollbacks per matcher. Bans live at a position
+  of this output prefix: rolling back past a position forgets its bans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -39,6 +45,7 @@ from radixlm.runtime.grammar.json_track import (
     decode_partial,
     ended,
     finish,
+    open_checked,
 )
 from radixlm.runtime.grammar.strict import verifier_schema_text
 from radixlm.runtime.grammar.verifier import SchemaVerifier
@@ -54,6 +61,15 @@ class Tracker(Protocol):
     def end(self, state: Any) -> Any: ...
     def inert(self, state: Any, data: bytes) -> bool:
         """``feed(state, data)`` surely refuses nothing (a cheap test; False: feed it)."""
+        ...
+
+    def open_from(self, state: Any) -> int | None:
+        """Where (a character offset in the whole output) the innermost open value that the
+        exact schema may still refuse starts; None when there is none."""
+        ...
+
+    def position(self, state: Any) -> float:
+        """Characters followed so far; + 0.5 while a character is incomplete (monotone)."""
         ...
 
 
@@ -76,6 +92,12 @@ class JsonTracker:
     def inert(self, state: ScanState, data: bytes) -> bool:
         return _inert(state, data)
 
+    def open_from(self, state: ScanState) -> int | None:
+        return open_checked(state, self.verifier)
+
+    def position(self, state: ScanState) -> float:
+        return len(state.text) + 0.5 * bool(state.pending)
+
 
 @dataclass(frozen=True)
 class CallsState:
@@ -86,6 +108,8 @@ class CallsState:
     head: str | None = None
     scan: ScanState = ScanState()
     pending: bytes = b""  # an incomplete UTF-8 character
+    chars: int = 0  # characters followed so far
+    base: int = 0  # where the open arguments start (``scan``'s offset 0 in the output)
 
 
 class ToolCallsTracker:
@@ -103,7 +127,7 @@ class ToolCallsTracker:
 
     def feed(self, state: CallsState, data: bytes) -> CallsState | str:
         text, pending = decode_partial(state.pending + data)
-        tail, head, scan = state.tail, state.head, state.scan
+        tail, head, scan, base = state.tail, state.head, state.scan, state.base
         i = 0
         while i < len(text):
             if head is None:
@@ -111,7 +135,7 @@ class ToolCallsTracker:
                 i += 1
                 head = next((h for h in self.verifiers if tail.endswith(h)), None)
                 if head is not None:
-                    tail, scan = "", ScanState()
+                    tail, scan, base = "", ScanState(), state.chars + i
                 continue
             v = self.verifiers[head]
             result = advance_value(scan, text[i:], v, v.root)
@@ -121,10 +145,19 @@ class ToolCallsTracker:
             i += taken
             if ended(scan):
                 head, scan = None, ScanState()
-        return CallsState(tail, head, scan, pending)
+        return CallsState(tail, head, scan, pending, state.chars + len(text), base)
 
     def inert(self, state: CallsState, data: bytes) -> bool:
         return state.head is not None and _inert(state.scan, data)
+
+    def open_from(self, state: CallsState) -> int | None:
+        if state.head is None:
+            return None
+        start = open_checked(state.scan, self.verifiers[state.head])
+        return None if start is None else state.base + start
+
+    def position(self, state: CallsState) -> float:
+        return state.chars + 0.5 * bool(state.pending)
 
     def end(self, state: CallsState) -> CallsState | str:
         if state.head is None:
@@ -152,16 +185,25 @@ def _inert(state: ScanState, data: bytes) -> bool:
 
 
 class VerifiedMatcher(GrammarMatcher):
-    def __init__(self, inner: GrammarMatcher, tracker: Tracker, states: Sequence[Any] = ()) -> None:
+    can_backtrack = True
+
+    def __init__(self, inner: GrammarMatcher, tracker: Tracker) -> None:
         super().__init__(inner.vocab)
         self.inner = inner
         self.tracker = tracker
-        self._states: list[Any] = list(states) or [tracker.start()]
+        self._states: list[Any] = [tracker.start()]  # _states[k]: after _tokens[:k]
+        self._tokens: list[int] = []
+        # position -> {banned token: the keyword of the dead end it led to}
+        self._bans: dict[int, dict[int, str]] = {}
+        self.num_rollbacks = 0  # dead ends left by ``backtrack``
         self._eos = frozenset(inner.vocab.eos_token_ids)
         self._tried: tuple[int, int, Any] | None = None  # (depth, token, result)
 
     def _next(self, token_id: int) -> Any:
         """The tracker's state after ``token_id`` (EOS: the end), or the refusing keyword."""
+        banned = self._bans.get(len(self._tokens))
+        if banned and token_id in banned:
+            return banned[token_id]
         depth = len(self._states)
         if self._tried is not None and self._tried[:2] == (depth, token_id):
             return self._tried[2]
@@ -208,6 +250,7 @@ class VerifiedMatcher(GrammarMatcher):
         if isinstance(result, str) or not self.inner.accept_token(token_id):
             return False
         self._states.append(result)
+        self._tokens.append(token_id)
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -226,9 +269,46 @@ class VerifiedMatcher(GrammarMatcher):
         self.inner.rollback(num_tokens)
         if num_tokens:
             del self._states[len(self._states) - num_tokens :]
+            del self._tokens[len(self._tokens) - num_tokens :]
+            position = len(self._tokens)
+            self._bans = {p: b for p, b in self._bans.items() if p <= position}
+            self._tried = None
 
     def fork(self) -> VerifiedMatcher:
-        return VerifiedMatcher(self.inner.fork(), self.tracker, self._states)
+        m = VerifiedMatcher(self.inner.fork(), self.tracker)
+        m._states, m._tokens = list(self._states), list(self._tokens)
+        m._bans = {p: dict(b) for p, b in self._bans.items()}
+        m.num_rollbacks = self.num_rollbacks
+        return m
+
+    def num_settled(self) -> int:
+        start = self.tracker.open_from(self._states[-1])
+        if start is None:
+            return len(self._tokens)
+        # The token that produced the first state past ``start`` began that value.
+        position = self.tracker.position
+        lo, hi = 0, len(self._states) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if position(self._states[mid]) > start:
+                hi = mid
+            else:
+                lo = mid + 1
+        return max(0, lo - 1)
+
+    def backtrack(self, floor: int, keyword: str, budget: int) -> int:
+        """Leave a dead end: roll back the last accepted token and ban it at its position.
+        Returns the tokens rolled back: 0 (nothing changed) when that token is one of the
+        first ``floor`` (released to the client), none is accepted, or ``budget`` rollbacks
+        were spent already."""
+        n = len(self._tokens)
+        if n == 0 or n - 1 < floor or self.num_rollbacks >= budget or self.is_terminated():
+            return 0
+        token = self._tokens[-1]
+        self.rollback(1)
+        self._bans.setdefault(n - 1, {})[token] = keyword
+        self.num_rollbacks += 1
+        return 1
 
     def forced_bytes(self) -> bytes:
         return self.inner.forced_bytes()

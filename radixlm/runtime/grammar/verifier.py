@@ -19,6 +19,7 @@ Only value-completing text triggers a validation; other tokens cost a character 
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -129,6 +130,12 @@ class SchemaVerifier:
         error = jsonschema.exceptions.best_match(v.iter_errors(instance))
         return _keyword_of(error)
 
+    def checks_value(self, nodes: Nodes) -> bool:
+        return any(self.tainted(n) for n in nodes)
+
+    def checks_key(self, nodes: Nodes) -> bool:
+        return any("propertyNames" in n.get(VERIFY_KEY, ()) for n in nodes)
+
     def keeps_items(self, nodes: Nodes) -> bool:
         return any(n.get("uniqueItems") is True and VERIFY_KEY in n for n in nodes)
 
@@ -188,13 +195,21 @@ class SchemaVerifier:
         return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(pattern: str) -> regex.Pattern[str] | None:
+    """``pattern`` compiled once (the ``regex`` module's own cache costs a lookup per call that
+    is most of a short search); None when the ``regex`` package cannot read it."""
+    try:
+        return regex.compile(pattern)
+    except regex.error:
+        return None
+
+
 def _partial(pattern: str, text: str) -> bool | None:
     """Whether some continuation of ``text`` can match ``pattern`` (searched); None when the
     ``regex`` package cannot read it (the completed string is checked anyway)."""
-    try:
-        return regex.search(pattern, text, partial=True) is not None
-    except regex.error:
-        return None
+    compiled = _compiled(pattern)
+    return None if compiled is None else compiled.search(text, partial=True) is not None
 
 
 def _name_pattern(n: dict[str, Any]) -> str | None:
@@ -207,10 +222,8 @@ def _name_pattern(n: dict[str, Any]) -> str | None:
 
 
 def _search(pattern: str, name: str) -> bool | None:
-    try:
-        return regex.search(pattern, name) is not None
-    except regex.error:
-        return None
+    compiled = _compiled(pattern)
+    return None if compiled is None else compiled.search(name) is not None
 
 
 def _keyword_of(error: Any) -> str:

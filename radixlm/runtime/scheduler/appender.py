@@ -8,6 +8,13 @@ the grammar's end, `max_new_tokens` / the context length. The first stop finishe
 A stop ends the sequence and frees its pages, so deciding it is sequence work, as in SGLang's
 scheduler (`check_finished`); the output processor only formats and emits what this returns.
 The detokenizer therefore belongs to the sequence: it is attached here and advanced only here.
+
+A verified request (its matcher can `backtrack`) holds back the tokens of the innermost open
+value the exact schema may still refuse (`req.held`, from `matcher.num_settled()`): they are
+not released to the client until that value is settled or the sequence finishes. On a dead end
+`roll_back` takes back the last held token (the matcher bans it there), trims the sequence and
+replays the detokenizer; the scheduler then frees the pages past the shorter sequence, as after
+a rejected speculative draft. Released tokens are never rolled back.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ class TokenAppender:
     def init_request(self, req: Request) -> None:
         """Attach the incremental detokenizer (before the request is queued)."""
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params
-            )
+            req.detokenizer = self._detokenizer(req)
+
+    def _detokenizer(self, req: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params)
 
     def append(
         self,
@@ -69,19 +77,18 @@ class TokenAppender:
                     break
             upd.text = "".join(text)
             return upd
-        upd = SeqUpdate(req)
-        text = []
+        pushed: list[tuple[str, TokenLogprob | None]] = []
         for t, t_lp in drafted:  # accepted draft tokens: the matcher accepted them on a fork
             if not req.grammar.accept_token(t):
                 raise GrammarRejectedError(f"the grammar rejected accepted draft token {t}")
-            if req.params.logprobs:
-                upd.logprobs.append(t_lp or TokenLogprob(t, 0.0))
+            t_lp = (t_lp or TokenLogprob(t, 0.0)) if req.params.logprobs else None
             # As after a sampled token: a grammar that allows only EOS now ends the sequence.
-            text.append(self._push(req, t, now, grammar_stop=req.grammar.only_eos_allowed()))
+            grammar_stop = req.grammar.only_eos_allowed()
+            pushed.append((self._push(req, t, now, grammar_stop=grammar_stop), t_lp))
             if req.is_finished:
-                upd.text = "".join(text)
-                return upd
-        return self._append_constrained(req, tok, lp, now, upd, text)
+                return self._release(req, pushed)
+        self._append_constrained(req, tok, lp, now, pushed)
+        return self._release(req, pushed)
 
     def _append_constrained(
         self,
@@ -89,9 +96,8 @@ class TokenAppender:
         tok: int,
         lp: TokenLogprob | None,
         now: float,
-        upd: SeqUpdate,
-        text: list[str],
-    ) -> SeqUpdate:
+        pushed: list[tuple[str, TokenLogprob | None]],
+    ) -> None:
         assert self.grammar is not None
         growth = min(
             req.params.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens
@@ -100,15 +106,55 @@ class TokenAppender:
         if adv is None:
             raise GrammarRejectedError(f"the grammar rejected sampled token {tok}")
         for k, t in enumerate(adv.token_ids):
+            t_lp = None
             if req.params.logprobs:
                 sampled = lp if k == 0 and adv.sampled_kept else None
-                upd.logprobs.append(sampled or TokenLogprob(t, 0.0))  # forced tokens: 0.0
+                t_lp = sampled or TokenLogprob(t, 0.0)  # forced tokens: 0.0
             last = k == len(adv.token_ids) - 1
-            text.append(self._push(req, t, now, grammar_stop=last and adv.must_stop))
+            pushed.append((self._push(req, t, now, grammar_stop=last and adv.must_stop), t_lp))
             if req.is_finished:
                 break
-        upd.text = "".join(text)
+
+    @staticmethod
+    def _release(req: Request, pushed: list[tuple[str, TokenLogprob | None]]) -> SeqUpdate:
+        """Hold back the pushed tokens after the matcher's settled ones (all are released once
+        the sequence finished); the update carries the text and logprobs of the released."""
+        assert req.grammar is not None
+        req.held.extend(pushed)
+        keep = 0 if req.is_finished else req.num_output_tokens - req.grammar.num_settled()
+        n = max(0, len(req.held) - keep)
+        released = req.held[:n]
+        del req.held[:n]
+        upd = SeqUpdate(req, "".join(text for text, _ in released))
+        upd.logprobs = [t_lp for _, t_lp in released if t_lp is not None]
         return upd
+
+    def roll_back(self, req: Request, keyword: str) -> bool:
+        """Leave a dead end of a verified request (nothing could be sampled after its output):
+        the matcher takes back the last held token and bans it at its position
+        (`GrammarMatcher.backtrack`); the sequence drops it, the last token left is to be
+        computed again (its logits are needed) and the detokenizer is replayed. False (nothing
+        changed) when no held token is left or the rollback budget is spent. The caller frees
+        the pages past the shorter sequence (`PageManager.trim`)."""
+        assert req.grammar is not None and self.grammar is not None
+        floor = req.num_final_tokens - req.num_prompt_tokens
+        n = req.grammar.backtrack(floor, keyword, self.grammar.max_rollbacks)
+        if n == 0:
+            return False
+        for t in req.token_ids[-n:]:
+            req.output_counts[t] -= 1
+            if not req.output_counts[t]:
+                del req.output_counts[t]
+        del req.token_ids[-n:]
+        del req.held[-n:]
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if req.detokenizer is not None:
+            # Every delta depends only on the tokens before it: the held texts stand as they are.
+            req.detokenizer = self._detokenizer(req)
+            for t in req.output_token_ids:
+                req.detokenizer.append(t)
+        self.grammar.record_rollback(keyword)
+        return True
 
     def _push(self, req: Request, tok: int, now: float, grammar_stop: bool = False) -> str:
         """Append one token and run the stop checks; returns the new text. `grammar_stop`: the

@@ -31,6 +31,7 @@ from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, HiCache, RadixCache
 from radixlm.runtime.batch import (
     PromptLogprobs,
+    SampleError,
     SampleSlot,
     ScheduledBatch,
     ScheduledItem,
@@ -38,6 +39,7 @@ from radixlm.runtime.batch import (
     StepOutput,
     StepResult,
 )
+from radixlm.runtime.constrained import DEAD_END
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
@@ -341,7 +343,8 @@ class Scheduler:
             req = slot.req
             if i in out.errors:
                 err = out.errors[i]
-                finish_sequence(req, "error", now, error=err.message, code=err.code)
+                if not self._roll_back(req, err):
+                    finish_sequence(req, "error", now, error=err.message, code=err.code)
                 upd = SeqUpdate(req)
             else:
                 drafted = zip(*out.accepted[i]) if i in out.accepted else ()
@@ -367,6 +370,20 @@ class Scheduler:
         if self.debug_integrity:
             self.check_integrity()
         return result
+
+    def _roll_back(self, req: Request, err: SampleError) -> bool:
+        """A grammar dead end: roll the request back (the appender) and free the pages past
+        its shorter sequence, as after a rejected draft. False: it cannot; it fails."""
+        if err.code != DEAD_END:
+            return False
+        try:
+            if not self.appender.roll_back(req, err.keyword or "schema"):
+                return False
+        except Exception:  # noqa: BLE001 - this request's fault: it fails
+            logger.exception("request %s failed while rolling back", req.request_id)
+            return False
+        self.pages.trim(req)
+        return True
 
     def _record_stats(self, batch: ScheduledBatch, out: StepOutput) -> None:
         self.num_forwards += 1

@@ -9,6 +9,9 @@ NOTE: invariants kept here
   write-through, every page the tree adopts is stored in the tier.
 - `req.page_gen` is bumped whenever `pages` changes other than by appending (the executor's page
   table rewrites the row then).
+- Tokens a dead end may still roll back (`tree_limit`) never enter the tree nor are matched in
+  it, nor is the page of the token before them (a rollback recomputes that token: its page must
+  be private).
 """
 
 from __future__ import annotations
@@ -27,10 +30,20 @@ class PageManager:
         self.page_size = pool.page_size
 
     @staticmethod
-    def usable_prefix(req: Request) -> list[int]:
+    def tree_limit(req: Request) -> int:
+        """How many of `req`'s leading tokens may be in the tree: all, unless a dead end may
+        still roll it back (a running request whose matcher can `backtrack`): then those
+        before its last final token (`num_final_tokens`)."""
+        g = req.grammar
+        if g is None or not g.can_backtrack or req.is_finished:
+            return req.num_tokens
+        return req.num_final_tokens - 1
+
+    @classmethod
+    def usable_prefix(cls, req: Request) -> list[int]:
         """The tokens a prefix hit may cover: never the last (its logits are needed), nor the
-        positions whose logits give wanted prompt logprobs."""
-        usable = req.num_tokens - 1
+        positions whose logits give wanted prompt logprobs, nor past `tree_limit`."""
+        usable = min(req.num_tokens - 1, cls.tree_limit(req))
         if req.prompt_logprob_start is not None:
             usable = min(usable, max(0, req.prompt_logprob_start - 1))
         return req.token_ids[:usable]
@@ -98,16 +111,25 @@ class PageManager:
 
     def trim(self, req: Request) -> None:
         """Free the pages past those `req.token_ids` needs (a speculative draft's rejected
-        tail: private, never in the tree; their slots are written again when reached)."""
+        tail, or tokens a dead end rolled back: private, never in the tree; their slots are
+        written again when reached). The page the next computed token is written into must be
+        `req`'s alone: when another request holds it too (n > 1 branches share the prompt's
+        full pages), it is dropped and its tokens are computed again into a fresh page."""
         need = -(-req.num_tokens // self.page_size)
         if len(req.pages) > need:
             self.pool.decref(req.pages[need:])
             del req.pages[need:]
             req.page_gen += 1
+        k = req.num_computed_tokens // self.page_size
+        if k < len(req.pages) and self.pool.ref(req.pages[k]) > 1:
+            self.pool.decref(req.pages[k:])
+            del req.pages[k:]
+            req.num_computed_tokens = k * self.page_size
+            req.page_gen += 1
 
     def cache_computed(self, req: Request) -> None:
         """Insert the request's computed full pages into the tree (and adopt the tree's copies)."""
-        num_full = req.num_computed_tokens // self.page_size
+        num_full = min(req.num_computed_tokens, self.tree_limit(req)) // self.page_size
         if num_full == 0 or not self.cache.enabled:
             return
         tokens = req.token_ids[: num_full * self.page_size]

@@ -19,6 +19,7 @@ from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
 from radixlm.runtime.grammar.verified import VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
+from radixlm.tool_calls import call_begin
 
 SUITE = Path(__file__).parents[2] / "data" / "json_schema_test_suite" / "draft2020-12"
 KEYWORD_FILES = ("uniqueItems", "not", "propertyNames", "if-then-else", "oneOf",
@@ -44,7 +45,15 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
     ),
     (
         {"type": "string", "pattern": "^(?!foo)[a-z]+$"},
-        [('"bar"', None), ('"foo"', "pattern"), ('"fo"', None)],
+        # ending inside an escape: checked up to it (the quote before it is refused)
+        [
+            ('"bar"', None),
+            ('"foo"', "pattern"),
+            ('"fo"', None),
+            ('"ab\\"\\', "pattern"),
+            ('"ab\\u00', None),
+            ('"ab\\u0022', "pattern"),
+        ],
     ),
     (
         {
@@ -295,3 +304,49 @@ def test_conjunctions_the_backends_cannot_intersect_go_to_the_verifier() -> None
             assert ok == validator.is_valid(value), text[:80]
             accepted += ok
         assert accepted >= 2  # chains of depth 11, 17, ...; two of the strings
+
+
+TAGS = {"type": "object", "properties": {
+    "n": {"type": "integer"},
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # fmt: skip
+
+
+def _walked(schema: Any, text: str, kind: str = "json_schema") -> Any:
+    backend = get_backend("xgrammar")(BYTE_VOCAB)
+    m = backend.compile(Constraint.from_params(**{kind: schema})).new_matcher()
+    assert m.accept_tokens(list(text.encode())), text
+    return m
+
+
+def test_settled_tokens_end_at_the_innermost_open_value_the_verifier_may_refuse() -> None:
+    """What a dead end may take back (and the scheduler holds back from the client): from the
+    start of the open item of a ``uniqueItems`` array, else of the array, else of the root
+    (its subtree holds the keyword, so ``jsonschema`` checks it at its end)."""
+    text = '{"n":1,"tags":["a","b'
+    m = _walked(TAGS, text)
+    assert m.num_settled() == text.index('"b')
+    assert m.accept_token(ord('"'))
+    assert m.num_settled() == text.index("[")
+    assert m.accept_tokens(list(b"]}"))
+    assert m.num_settled() == m.num_accepted  # the document is complete
+    # Tool calls: the same, at the arguments' offset in the whole output.
+    spec = {"mode": "required", "parallel": False,
+            "tools": [{"name": "f", "parameters": TAGS}]}  # fmt: skip
+    call = call_begin("f") + text
+    m = _walked(json.dumps(spec), call, kind="tool_calls")
+    assert m.num_settled() == call.index('"b')
+
+
+def test_backtrack_rolls_back_and_bans_the_token_at_its_position() -> None:
+    m = _walked(TAGS, '{"tags":["a","a')
+    n = m.num_accepted
+    assert m.backtrack(n, "uniqueItems", budget=4) == 0  # released: cannot be taken back
+    assert m.backtrack(n - 1, "uniqueItems", budget=4) == 1
+    assert m.num_accepted == n - 1 and m.num_rollbacks == 1
+    assert m.check_token(ord("a")) == "uniqueItems" and not m.accept_token(ord("a"))
+    assert m.fork().check_token(ord("a")) == "uniqueItems"  # a fork keeps the bans
+    assert m.accept_token(ord("b"))
+    assert m.check_token(ord('"')) is None
+    m.rollback(2)  # back before the ban's position: the ban is forgotten
+    assert m.accept_tokens(list(b'"a'))
+    assert m.backtrack(0, "uniqueItems", budget=1) == 0  # the budget is spent

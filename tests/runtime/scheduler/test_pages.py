@@ -101,3 +101,47 @@ def test_trim_frees_the_pages_past_the_sequence():
     pm.trim(a)  # 5 tokens need 2 pages
     assert len(a.pages) == 2 and a.page_gen == gen + 1 and pm.pool.num_held == 2
     pm.check_integrity([a], [])
+
+
+def test_trim_never_leaves_the_next_token_to_write_into_a_shared_page():
+    """A rolled-back branch of a page-aligned prompt recomputes its last prompt token: that
+    page is shared with its sibling, so it gets a fresh one and computes the page again."""
+    pm = make()
+    parent = req(list(range(8)))
+    computed(pm, parent, 8)
+    child = req(list(range(8)))
+    pm.share_prefix(parent, child, None)
+    assert child.pages == parent.pages and pm.pool.ref(child.pages[1]) == 2
+    child.num_computed_tokens = 7  # its last token is to be computed again
+    gen = child.page_gen
+    pm.trim(child)
+    assert child.pages == parent.pages[:1] and child.num_computed_tokens == 4
+    assert child.page_gen == gen + 1 and pm.pool.ref(parent.pages[1]) == 1
+    pm.check_integrity([parent, child], [])
+    pm.trim(parent)  # its own pages: nothing to do
+    assert len(parent.pages) == 2 and parent.num_computed_tokens == 8
+
+
+class _Backtracking:
+    """A matcher whose dead ends may roll tokens back (what `tree_limit` asks)."""
+
+    can_backtrack = True
+
+
+def test_tokens_a_dead_end_may_roll_back_stay_out_of_the_tree():
+    """Held tokens (`req.held`) and the page of the token before them are never cached nor
+    matched; once the request is finished they may be."""
+    pm = make()
+    a = req(list(range(6)))
+    a.token_ids += [6, 7, 8, 9, 10, 11]  # 6 output tokens, the last 3 held back
+    a.grammar = _Backtracking()
+    a.held = [("", None)] * 3
+    assert a.num_final_tokens == 9 and pm.tree_limit(a) == 8
+    computed(pm, a, 12)
+    assert pm.cache.match_prefix(a.token_ids).num_tokens == 8  # not 12: two pages of three
+    assert len(pm.usable_prefix(a)) == 8
+    a.held = []  # released: all final (the page of the last token still waits for its logits)
+    pm.cache_computed(a)
+    assert pm.cache.match_prefix(a.token_ids).num_tokens == 8
+    assert len(pm.usable_prefix(a)) == 11
+    pm.check_integrity([a], [])
