@@ -531,15 +531,22 @@ void decode_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
         const bool partial = pos < kv_lo || pos + 16 > kv_hi;
         const __mmask16 valid = partial ? lanes_in(pos, kv_lo, kv_hi) : __mmask16(0xFFFF);
         alignas(64) uint32_t pp[G][8];
-        for (int g = 0; g < G; ++g) {
-          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-          for (int64_t p = 0; p < NP; p += 2) {
-            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])),
-                                  (__m512bh)_mm512_loadu_si512(kb + 16 * p));
-            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])),
-                                  (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1)));
+        // q . K: each K^T row (one (d, d + 1) pair of the 16 keys) is loaded once for the G
+        // query heads, two accumulator chains per head; the query pair is the broadcast operand.
+        __m512 s0[G], s1[G];
+        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < NP; p += 2) {
+          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + 16 * p);
+          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1));
+          for (int g = 0; g < G; ++g) {
+            s0[g] = _mm512_dpbf16_ps(s0[g], k0,
+                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])));
+            s1[g] = _mm512_dpbf16_ps(s1[g], k1,
+                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])));
           }
-          __m512 s = _mm512_mul_ps(_mm512_add_ps(s0, s1), qs);
+        }
+        for (int g = 0; g < G; ++g) {
+          __m512 s = _mm512_mul_ps(_mm512_add_ps(s0[g], s1[g]), qs);
           if (partial) s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), s);
           const float bm = _mm512_reduce_max_ps(s);
           if (bm > mx[g]) {
