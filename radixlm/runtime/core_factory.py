@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from radixlm.config import EngineConfig
+from radixlm.config import CacheConfig, EngineConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.cpu_threads import release_idle_teams
@@ -69,7 +69,8 @@ class EngineParts:
         self.eos_token_ids = sorted(eos)
         self.appender = TokenAppender(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.processor = OutputProcessor()
-        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
+        proposer = self._make_draft_model()
+        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed, proposer=proposer)
         self.scheduler = Scheduler(
             self.pool,
             self.cache,
@@ -117,6 +118,42 @@ class EngineParts:
             quantization_group_size=cfg.quantization_group_size,
             quantization_lm_head=cfg.quantization_lm_head,
         )
+
+    def _make_draft_model(self) -> Any:
+        """`speculative_algorithm="draft"`: the draft model over its own K/V buffers with the
+        target's page geometry (`DraftModel`), after checking it shares the tokenizer; else
+        None."""
+        cfg = self.config
+        if cfg.speculative_draft_model is None:
+            return None
+        from radixlm.runtime.spec.draft_model import DraftModel, check_same_tokenizer
+
+        draft_dir = resolve_model_path(cfg.speculative_draft_model)
+        info = load_model_info(draft_dir)
+        check_same_tokenizer(
+            self.tokenizer,
+            load_tokenizer(draft_dir),
+            self.runner.vocab_size,
+            info.hf_config.vocab_size,
+            cfg.speculative_draft_model,
+        )
+        check_architecture(info.architecture)
+        cache = CacheConfig(page_size=cfg.cache.page_size, num_pages=self.runner.num_pages)
+        runner = ModelRunner(
+            draft_dir,
+            cfg.dtype,
+            self.device,
+            cache,
+            cfg.attention_backend,
+            self.max_model_len,
+            model_info=info,
+            matmul_dtype=cfg.matmul_dtype,
+            enforce_eager=cfg.enforce_eager,
+            quantization=cfg.speculative_draft_quantization,
+            quantization_group_size=cfg.quantization_group_size,
+            quantization_lm_head=cfg.quantization_lm_head,
+        )
+        return DraftModel(runner, self.eos_token_ids, seed=cfg.seed)
 
     @property
     def grammar(self) -> GrammarManager | None:

@@ -50,9 +50,10 @@ class Drafter:
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens of which `accepted` stood."""
         idx = self._index.get(req)
-        if idx is not None:
-            prev = idx.accepted_len
-            idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
+        if idx is None:  # a draft model's first verified draft (no lookup made an index)
+            idx = self._index[req] = _Index({n: {} for n in self._sizes()})
+        prev = idx.accepted_len
+        idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow `req.token_ids` (empty: no match)."""

@@ -1,0 +1,220 @@
+"""Speculative decoding with a draft model: greedy outputs token-identical to plain decoding
+and to transformers (float32, tiny random-weight target; the target itself as its draft, every
+draft accepted, and a smaller random draft sharing the vocabulary, nearly every draft
+rejected); grammar-aware drafts; pages accounted through chunked prefill, prefix hits,
+retraction and aborts mid-draft; a draft with another tokenizer refused; and rejection
+sampling keeping the target's distribution (the acceptance rule alone, and through the
+executor with a draft distribution q != p)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from fake_runner import FixedLogits
+
+from radixlm import Engine, SamplingParams
+from radixlm.config import EngineConfig
+from radixlm.runtime.batch import SampleSlot, ScheduledBatch, ScheduledItem
+from radixlm.runtime.core_factory import EngineParts
+from radixlm.runtime.errors import ConfigError
+from radixlm.runtime.executor import Executor
+from radixlm.runtime.request import Request, RequestStatus
+from radixlm.runtime.sampler import make_generator, pick
+from radixlm.runtime.spec.acceptance import rejection_sample
+
+NEW = 24
+KW = dict(dtype="float32", page_size=4, num_pages=96, chunked_prefill_size=8, debug_integrity=True)
+
+
+@pytest.fixture(scope="module")
+def small_draft(make_tiny_model) -> Path:
+    """Another geometry (1 layer, hidden 32, 1 KV head), the same tokenizer and vocab."""
+    return make_tiny_model(
+        "llama", 7, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64,
+    )  # fmt: skip
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of many lengths (pages of 4, chunks of 8), some repeating spans."""
+    base = [17, 305, 1200, 77, 4000, 99, 18, 2500, 611]
+    return [base[: 2 + i] * (1 + i % 3) for i in range(7)]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+            pad_token_id=2,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("which", ["self", "small"])
+def test_greedy_is_token_identical_with_a_draft_model(tiny_llama_dir, small_draft, which):
+    draft = tiny_llama_dir if which == "self" else small_draft
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    with Engine(str(tiny_llama_dir), **KW) as plain:
+        ref = [r.output_token_ids for r in plain.generate(prompts(), params)]
+    spec_kw = dict(speculative_algorithm="draft", speculative_draft_model=str(draft))
+    with Engine(str(tiny_llama_dir), **KW, **spec_kw) as engine:
+        first = [r.output_token_ids for r in engine.generate(prompts(), params)]
+        again = [r.output_token_ids for r in engine.generate(prompts()[:3], params)]  # prefix hits
+        stats = engine.stats()
+        engine.check_integrity()
+        assert stats.kv_pages_used == 0
+    assert first == ref and again == ref[:3]
+    assert stats.cache_hit_tokens > 0 and stats.spec_draft_tokens > 0
+    if which == "self":  # the target drafting for itself: every draft token stands
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    for p, out in list(zip(prompts(), ref))[:2]:
+        assert out == hf_greedy(tiny_llama_dir, p, NEW)
+
+
+def test_grammar_aware_drafts_give_valid_objects_and_plain_outputs(tiny_llama_dir):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_new_tokens=40, temperature=0, constraint={"json_schema": schema})
+    outs = []
+    for draft in (None, tiny_llama_dir):
+        spec = {"speculative_algorithm": "draft", "speculative_draft_model": str(draft)}
+        kw = dict(KW, **spec) if draft else KW
+        with Engine(str(tiny_llama_dir), **kw) as engine:
+            results = engine.generate(prompts()[:3], params)
+            stats = engine.stats()
+        for r in results:
+            if r.finish_reason == "stop":
+                jsonschema.validate(json.loads(r.text), schema)
+        outs.append([r.output_token_ids for r in results])
+        if draft:
+            assert stats.spec_accepted_tokens > 0
+    assert outs[0] == outs[1]
+
+
+def test_retraction_and_aborts_mid_draft_leave_no_page_held(tiny_llama_dir, small_draft):
+    """A pool too small for all requests forces retractions; one request is aborted while it
+    drafts; the others' outputs are plain decoding's and every page comes back."""
+    params = SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True)
+    kw = dict(KW, num_pages=30, max_running_requests=8)
+    with Engine(str(tiny_llama_dir), **kw) as plain:
+        ref = [r.output_token_ids for r in plain.generate(prompts(), params)]
+    for draft in (tiny_llama_dir, small_draft):
+        config = EngineConfig.from_kwargs(
+            model=str(tiny_llama_dir), speculative_algorithm="draft",
+            speculative_draft_model=str(draft), **kw,
+        )  # fmt: skip
+        parts = EngineParts(config)
+        s = parts.scheduler
+        reqs = [Request(f"r{i}", p, params) for i, p in enumerate(prompts())]
+        for r in reqs:
+            parts.appender.init_request(r)
+            s.add_request(r)
+        aborted = False
+        while s.has_work():
+            parts.core.step()
+            victim = reqs[3]
+            if not aborted and s.num_draft_tokens > 0 and victim in s.running:
+                assert s.abort("r3") and victim.finish_reason == "abort"
+                aborted = True
+            s.check_integrity()
+        assert aborted and s.num_retractions > 0
+        assert s.pool.num_held == 0
+        for i, r in enumerate(reqs):
+            if i != 3:
+                assert r.output_token_ids == ref[i], i
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, make_tiny_model):
+    other = make_tiny_model("llama", 3, vocab_size=49153)
+    with pytest.raises(ConfigError, match="speculative_draft_model.*vocab_size"):
+        EngineParts(
+            EngineConfig.from_kwargs(
+                model=str(tiny_llama_dir),
+                speculative_algorithm="draft",
+                speculative_draft_model=str(other),
+                dtype="float32",
+                num_pages=16,
+            )  # fmt: skip
+        )
+    with pytest.raises(ConfigError, match="speculative_draft_model"):
+        EngineConfig.from_kwargs(speculative_algorithm="draft")
+    with pytest.raises(ConfigError, match="speculative_draft_model"):
+        EngineConfig.from_kwargs(speculative_draft_model=str(other))
+
+
+def test_rejection_sample_keeps_the_target_distribution():
+    """Drafts drawn from q (!= p): the first emitted token is distributed as p[0]; given the
+    first draft token stood, the second as p[1]; the first stands with probability
+    sum(min(p0, q0)) (the identity rule would accept with sum(p0 * q0))."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 5, generator=g) * 1.5, -1)  # [k + 1, V]
+    q = torch.softmax(torch.randn(2, 5, generator=g) * 1.5, -1)  # [k, V]
+    first, second, n, stood = Counter(), Counter(), 20000, 0
+    for _ in range(n):
+        u = torch.rand(4, generator=g)
+        draft = pick(q, u[:2]).tolist()
+        a, tok = rejection_sample(p, q, draft, torch.rand(3, generator=g))
+        run = [*draft[:a], tok]
+        first[run[0]] += 1
+        if a >= 1:
+            stood += 1
+            second[run[1]] += 1
+    for counts, row in ((first, p[0]), (second, p[1])):
+        total = sum(counts.values())
+        for t in range(5):
+            assert abs(counts[t] / total - float(row[t])) < 0.02, (t, counts, row)
+    assert abs(stood / n - float(torch.minimum(p[0], q[0]).sum())) < 0.015
+
+
+class FixedDraft:
+    """A proposer whose draft is 2 tokens drawn from a fixed q (as a draft model would)."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q  # [V]
+        self.gen = make_generator(7)
+
+    def propose(self, batch, grammar):  # type: ignore[no-untyped-def]
+        item = batch.items[0]
+        item.draft = torch.multinomial(self.q, 2, replacement=True, generator=self.gen).tolist()
+        item.num_tokens += 2
+        return {0: self.q.expand(2, -1)}
+
+
+def test_the_executor_verifies_a_sampled_draft_by_rejection_sampling():
+    logits = torch.tensor([1.0, 2.0, 0.5, 1.5])
+    p = torch.softmax(logits, 0)
+    q = torch.tensor([0.55, 0.05, 0.3, 0.1])
+    ex = Executor(FixedLogits(logits), eos_token_ids=[], seed=123, proposer=FixedDraft(q))
+    first, second, stood, n = Counter(), Counter(), 0, 4000
+    for i in range(n):
+        req = Request(f"q{i}", [0, 2, 3], SamplingParams(temperature=1.0, max_new_tokens=8))
+        req.token_ids.append(3)  # one output token so far, not computed yet
+        req.num_computed_tokens = 3
+        req.status = RequestStatus.RUNNING
+        req.pages = [0, 1]
+        item = ScheduledItem(req, 1, draft_limit=2)
+        out = ex.run(ScheduledBatch([item], samples=[SampleSlot(req, 0)]))
+        accepted = out.accepted[0][0]
+        assert accepted == item.draft[: len(accepted)]
+        run_ = [*accepted, out.token_ids[0]]
+        first[run_[0]] += 1
+        stood += bool(accepted)
+        if accepted:
+            second[run_[1]] += 1
+    for counts in (first, second):
+        total = sum(counts.values())
+        for t in range(4):
+            assert abs(counts[t] / total - float(p[t])) < 0.035, (t, counts, p)
+    assert abs(stood / n - float(torch.minimum(p, q).sum())) < 0.03
