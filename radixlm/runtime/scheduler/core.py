@@ -220,7 +220,9 @@ class Scheduler:
             return [], limit
         draft = self.drafter.propose(req, limit)
         if draft and req.grammar is not None:
-            draft = grammar_prefix(req.grammar, draft)
+            step = self.appender.grammar
+            jump_forward = step is not None and step.manager.jump_forward_enabled
+            draft = grammar_prefix(req.grammar, draft, jump_forward)
         return draft, 0
 
     def _poll_grammars(self) -> None:

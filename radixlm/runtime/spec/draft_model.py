@@ -17,8 +17,9 @@ NOTE: invariants
   before a retraction, a rejected draft's slot) only lowers acceptance; the verification keeps
   the output exact.
 - The draft's proposals are masked like the target's sampling (grammar fork advanced through
-  the draft, min_tokens, penalties, bias); a token after which the grammar ends, and anything
-  after a stop / EOS token, is not drafted.
+  the draft, min_tokens, penalties, bias); the draft stops before a token after which the
+  grammar ends or forces text (`draft_token_ok`: jump-forward stays exact) and after a stop /
+  EOS token.
 - Only `ScheduledItem.draft`, `num_tokens` (drafts added) and this object's own state change;
   no request is touched.
 """
@@ -38,6 +39,7 @@ from radixlm.runtime.executor import PageTable, masked_rows, sampling_info
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 from radixlm.runtime.sampler import Sampler, make_generator, pick
+from radixlm.runtime.scheduler.drafter import draft_token_ok
 
 # A seeded request's draft generator: its own stream, apart from the target's sampling.
 _DRAFT_SEED_SALT = 0x9E3779B97F4A7C15
@@ -110,6 +112,7 @@ class DraftModel:
         drafts: dict[int, list[int]] = {k: [] for k in drafting}
         probs: dict[int, list[torch.Tensor]] = {k: [] for k in drafting}
         forks = {k: reqs[k].grammar.fork() for k in drafting if reqs[k].grammar is not None}
+        jump_forward = grammar is not None and grammar.manager.jump_forward_enabled
         active = drafting
         while active:
             toks, q = self._sample(
@@ -117,7 +120,8 @@ class DraftModel:
             )
             going = []
             for j, k in enumerate(active):
-                if not self._allowed(toks[j], forks.get(k)):
+                fork = forks.get(k)
+                if fork is not None and not draft_token_ok(fork, toks[j], jump_forward):
                     continue
                 drafts[k].append(toks[j])
                 probs[k].append(q[j])
@@ -173,11 +177,6 @@ class DraftModel:
         info = sampling_info(reqs, suppress, drafts, gens, logits.shape[-1], x.device)
         q = self.sampler.probs(x, info)  # [B, V]
         return pick(q, self.sampler.uniforms(info)).tolist(), q
-
-    @staticmethod
-    def _allowed(tok: int, fork: Any) -> bool:
-        """The grammar (its fork, advanced through the draft) takes `tok` and does not end."""
-        return fork is None or (fork.accept_token(tok) and not fork.is_terminated())
 
     def _ends(self, item: ScheduledItem, tok: int) -> bool:
         """`tok` would stop the request (a stop token, or EOS unless ignored)."""
