@@ -432,16 +432,11 @@ def test_speculative_decoding_under_a_schema_changes_no_token(
         default_model_dir, f"xgrammar-spec-{algorithm}", grammar_backend="xgrammar",
         **SPEC[algorithm],
     )  # fmt: skip
+    keys = ("name", "born", "city", "occupation", "email")
     person = {
         "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "born": {"type": "integer"},
-            "city": {"type": "string"},
-            "occupation": {"type": "string"},
-            "email": {"type": "string"},
-        },
-        "required": ["name", "born", "city", "occupation", "email"],
+        "properties": {k: {"type": "integer" if k == "born" else "string"} for k in keys},
+        "required": list(keys),
         "additionalProperties": False,
     }
     hopper = (
