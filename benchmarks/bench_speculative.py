@@ -6,7 +6,8 @@ weights, self-speculation), and optionally vLLM's CPU build with its n-gram spec
         [--batches 1,8] [--modes plain,ngram,draft] [--reps 3]
         [--workloads extract,edit,quote,free,repeat,agent] [--agent-turns 4]
         [--draft-tokens 4] [--draft-model default] [--draft-quantization int4]
-        [--disable-by-batch-size N] [--vllm] [--out benchmarks/results/speculative.json]
+        [--disable-by-batch-size N] [--vllm [--vllm-modes vllm,vllm-ngram]]
+        [--out benchmarks/results/speculative.json]
 
 Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
 - `extract`: JSON extraction from a short document into a schema (constrained decoding): the
@@ -264,7 +265,9 @@ def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]])
     port = 18731
     ngram = {"method": "ngram", "num_speculative_tokens": args.draft_tokens,
              "prompt_lookup_max": 4, "prompt_lookup_min": 2}  # fmt: skip
-    for mode, extra in (("vllm", []), ("vllm-ngram", ["--speculative-config", json.dumps(ngram)])):
+    extras = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(ngram)]}
+    for mode in args.vllm_modes:
+        extra = extras[mode]
         base = vllm_spec(port, venv, resolve_model_path(None), args.threads, None, args.dtype)
         spec = ServerSpec(mode, [*base.cmd, *extra], base.env, base.ready_timeout_s)
         log = Path("benchmarks/results/logs") / f"speculative-{mode}.log"
@@ -304,16 +307,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--vllm", action="store_true", help="add vLLM's CPU server (plain, ngram)")
+    p.add_argument("--vllm", action="store_true", help="add vLLM's CPU server (--vllm-modes)")
+    p.add_argument("--vllm-modes", default="vllm,vllm-ngram", help="vllm (no drafts), vllm-ngram")
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
     args.workloads = args.workloads.split(",")
     args.batch_sizes = [int(x) for x in args.batches.split(",")]
-    bad = [m for m in args.modes if m not in ENGINE_MODES] + [
-        w for w in args.workloads if w not in (*PROMPT_WORKLOADS, "repeat", "agent")
-    ]
+    args.vllm_modes = args.vllm_modes.split(",")
+    bad = (
+        [m for m in args.modes if m not in ENGINE_MODES]
+        + [m for m in args.vllm_modes if m not in ("vllm", "vllm-ngram")]
+        + [w for w in args.workloads if w not in (*PROMPT_WORKLOADS, "repeat", "agent")]
+    )
     if bad or "plain" not in args.modes:
         p.error(f"--modes needs plain (of {ENGINE_MODES}); unknown: {bad}")
     return args

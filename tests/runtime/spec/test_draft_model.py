@@ -79,6 +79,36 @@ def test_greedy_is_token_identical_with_a_draft_model(tiny_llama_dir, small_draf
         assert out == hf_greedy(tiny_llama_dir, p, NEW)
 
 
+def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_llama_dir, small_draft):
+    """Sampled (n = 2, seeded) through rejection sampling: the same outputs twice; and the
+    DSL's in-process `Runtime` takes the same flags."""
+    import radixlm as sgl
+    from radixlm.lang.backend.runtime import Runtime
+
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=5, n=2, ignore_eos=True)
+    spec = dict(speculative_algorithm="draft", speculative_draft_model=str(small_draft))
+    runs = []
+    for _ in range(2):
+        with Engine(str(tiny_llama_dir), **KW, **spec) as engine:
+            results = engine.generate(prompts()[:3], params)
+            runs.append([[o.output_token_ids for o in r.outputs] for r in results])
+            assert engine.stats().spec_draft_tokens > 0
+    assert runs[0] == runs[1] and all(len(o) == NEW for r in runs[0] for o in r)
+
+    @sgl.function
+    def two_turns(s):
+        s += "Say something:" + sgl.gen("a", max_tokens=6, temperature=0)
+        s += " And again:" + sgl.gen("b", max_tokens=6, temperature=0)
+
+    backend = Runtime(str(tiny_llama_dir), **KW, **spec)
+    try:
+        state = two_turns.run(backend=backend)
+        assert state["a"] and state["b"]
+        assert backend.engine.stats().spec_draft_tokens > 0
+    finally:
+        backend.shutdown()
+
+
 def test_grammar_aware_drafts_give_valid_objects_and_plain_outputs(tiny_llama_dir):
     schema = {
         "type": "object",
