@@ -13,9 +13,11 @@ NOTE: invariants
 - Every step the draft forwards each item's known tokens (prefill chunks too) from where its
   own K/V of the request ends (`_written`, never past `num_computed_tokens`), so the draft K/V
   of a computed position is that of the request's token there: a page the tree shares carries
-  draft K/V as well. What the draft reads is never trusted: a stale draft K/V (a page computed
-  before a retraction, a rejected draft's slot) only lowers acceptance; the verification keeps
-  the output exact.
+  draft K/V as well. Exception: a step of decodes only where nothing drafts runs no draft
+  forward (large batches cost nothing extra); those requests catch up when they next draft.
+- What the draft reads is never trusted: a stale draft K/V (a page computed before a
+  retraction, a rejected draft's slot, a generated page cached while nothing drafted) only
+  lowers acceptance; the verification keeps the output exact.
 - The draft's proposals are masked like the target's sampling (grammar fork advanced through
   the draft, min_tokens, penalties, bias); the draft stops before a token after which the
   grammar ends or forces text (`draft_token_ok`: jump-forward stays exact) and after a stop /
@@ -80,6 +82,11 @@ class DraftModel:
             weakref.WeakKeyDictionary()
         )
 
+    def written(self, req: Request) -> int:
+        """Positions `0 .. n - 1` of `req` whose draft K/V this model computed and that still
+        hold the request's tokens (0 when unknown)."""
+        return min(self._written.get(req, 0), req.num_computed_tokens)
+
     def propose(self, batch: ScheduledBatch, grammar: GrammarStep | None) -> dict[int, Any]:
         """Fill the drafts of `batch`'s items with a `draft_limit`; returns per item index the
         draft's distributions `[k, V]` for requests verified by rejection sampling (sampled,
@@ -91,12 +98,18 @@ class DraftModel:
         if not items:
             return {}
         reqs = [i.req for i in items]
-        rows = self.page_table.rows_for(reqs)
         starts = [
             min(self._written.get(r, r.num_computed_tokens), r.num_computed_tokens) for r in reqs
         ]
         ends = [r.num_computed_tokens + i.num_known for r, i in zip(reqs, items)]
         drafting = [k for k, i in enumerate(items) if i.draft_limit > 0 and i.samples]
+        if not drafting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+            # Decodes only and none drafts (a batch past `speculative_disable_by_batch_size`):
+            # no draft forward; each request's draft K/V lags and is caught up when it drafts.
+            for req, a in zip(reqs, starts):
+                self._written[req] = a
+            return {}
+        rows = self.page_table.rows_for(reqs)
         ids: list[int] = []
         last_row: dict[int, int] = {}
         for k, (req, a, b) in enumerate(zip(reqs, starts, ends)):
