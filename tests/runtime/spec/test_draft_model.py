@@ -113,6 +113,46 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible(tiny_llama_dir, smal
         backend.shutdown()
 
 
+@pytest.fixture(scope="module")
+def near_draft(make_tiny_model) -> Path:
+    """The tiny target's weights (same seed and shapes) under another RMSNorm epsilon: a draft
+    whose distribution is close to the target's but not equal."""
+    return make_tiny_model(
+        "llama", 0, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=0.5
+    )
+
+
+def test_sampling_with_a_draft_model_keeps_the_target_distribution(tiny_llama_dir, near_draft):
+    """Top-3 sampling at temperature 1 with a draft close to the target: some draft tokens
+    stand (min(1, p/q)), the others are replaced by draws from norm(max(0, p - q)); the
+    (first, second) output pairs follow the target's exact distribution (transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [17, 305, 1200, 77]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+
+    def top3(ids: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            values, tokens = model(torch.tensor([ids])).logits[0, -1].topk(3)
+        return dict(zip(tokens.tolist(), torch.softmax(values, 0).tolist()))
+
+    exact = {
+        (a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3([*prompt, a]).items()
+    }
+    n = 800
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    spec = dict(speculative_algorithm="draft", speculative_draft_model=str(near_draft))
+    kw = dict(KW, num_pages=600, speculative_disable_by_batch_size=1000)  # draft at 64 running
+    with Engine(str(tiny_llama_dir), **kw, **spec) as engine:
+        results = engine.generate([prompt] * n, params)
+        stats = engine.stats()
+    counts = Counter(tuple(r.output_token_ids[:2]) for r in results)
+    assert set(counts) <= set(exact)
+    for pair, prob in exact.items():
+        assert abs(counts[pair] / n - prob) < 4 * (prob * (1 - prob) / n) ** 0.5 + 0.005, pair
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
 def test_grammar_aware_drafts_give_valid_objects_and_plain_outputs(tiny_llama_dir):
     schema = {
         "type": "object",
