@@ -244,6 +244,38 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, make_t
         EngineConfig.from_kwargs(speculative_draft_model=str(other))
 
 
+class _Tok:
+    def __init__(self, vocab: dict[str, int], special: list[int]) -> None:
+        self.vocab, self.all_special_ids = vocab, special
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def test_a_draft_tokenizer_that_differs_is_refused_and_the_flags_parse():
+    import argparse
+
+    from radixlm.cli import add_engine_args, engine_kwargs
+    from radixlm.runtime.spec.draft_model import check_same_tokenizer
+
+    target = _Tok({"a": 0, "b": 1}, [0])
+    check_same_tokenizer(target, _Tok({"a": 0, "b": 1}, [0]), 2, 2, "d")  # the same: fine
+    with pytest.raises(ConfigError, match="--speculative-draft-model.*"):
+        check_same_tokenizer(target, _Tok({"a": 1, "b": 0}, [0]), 2, 2, "d")
+    with pytest.raises(ConfigError, match="special tokens"):
+        check_same_tokenizer(target, _Tok({"a": 0, "b": 1}, [1]), 2, 2, "d")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        "--speculative-algorithm draft --speculative-draft-model default "
+        "--speculative-draft-quantization int4".split()
+    )
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.speculative_draft_model == "default"
+    assert config.speculative_draft_quantization == "int4"
+    assert config.scheduler.speculative_algorithm == "draft"
+
+
 def test_rejection_sample_keeps_the_target_distribution():
     """Drafts drawn from q (!= p): the first emitted token is distributed as p[0]; given the
     first draft token stood, the second as p[1]; the first stands with probability
