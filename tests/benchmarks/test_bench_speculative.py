@@ -4,30 +4,15 @@ timing is checked)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from bench_loader import load_benchmark
 
 from radixlm import Engine
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> Any:
-    path = ROOT / "benchmarks" / "bench_speculative.py"
-    spec = importlib.util.spec_from_file_location("bench_speculative", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_speculative"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bs = _load()
+bs = load_benchmark("bench_speculative")
 
 
 def test_the_copy_workloads_hold_what_their_answers_copy() -> None:
