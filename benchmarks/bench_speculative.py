@@ -57,6 +57,7 @@ from bench_peers import (  # noqa: E402
     SERVED_NAME,
     ServerSpec,
     cpu_description,
+    ensure_vllm_venv,
     running_server,
     vllm_spec,
 )
@@ -261,7 +262,7 @@ def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]])
     """`vllm` and `vllm-ngram` rows: vLLM's CPU server without / with n-gram speculation."""
     from radixlm.runtime.models.loader import resolve_model_path
 
-    venv = args.vllm_venv
+    venv = ensure_vllm_venv(args.vllm_venv)  # created on first use, as bench_peers does
     port = 18731
     ngram = {"method": "ngram", "num_speculative_tokens": args.draft_tokens,
              "prompt_lookup_max": 4, "prompt_lookup_min": 2}  # fmt: skip
