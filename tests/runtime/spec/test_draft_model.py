@@ -226,18 +226,38 @@ def test_retraction_and_aborts_mid_draft_leave_no_page_held(tiny_llama_dir, smal
                 assert r.output_token_ids == ref[i], i
 
 
-def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, make_tiny_model):
+def test_the_kv_budget_pays_for_both_pools(tiny_llama_dir, small_draft):
+    """With a byte budget, the target's page count is the budget over both pools' bytes per
+    page (the draft's pool has the same count); explicit `num_pages` stays as given."""
+    budget = 1 << 20
+    spec = dict(speculative_algorithm="draft", speculative_draft_model=str(small_draft))
+    kw = dict(model=str(tiny_llama_dir), dtype="float32", page_size=4, kv_memory_bytes=budget)
+    alone = EngineParts(EngineConfig.from_kwargs(**kw))
+    both = EngineParts(EngineConfig.from_kwargs(**kw, **spec))
+    target = alone.runner.kv_cache.k_buffers[0]
+    draft = both.executor.proposer.runner.kv_cache
+    target_bytes = 2 * len(alone.runner.kv_cache.k_buffers) * 4 * target[0].nbytes
+    draft_bytes = 2 * len(draft.k_buffers) * 4 * draft.k_buffers[0][0].nbytes
+    assert alone.runner.num_pages == budget // target_bytes
+    assert both.runner.num_pages == budget // (target_bytes + draft_bytes)
+    assert draft.k_buffers[0].shape[0] == 4 * both.runner.num_pages
+
+
+def test_a_draft_model_that_cannot_draft_is_refused(tiny_llama_dir, make_tiny_model):
+    """Another vocabulary size; fewer positions than the target's context; a draft model
+    without the algorithm, or the algorithm without one."""
     other = make_tiny_model("llama", 3, vocab_size=49153)
-    with pytest.raises(ConfigError, match="speculative_draft_model.*vocab_size"):
-        EngineParts(
-            EngineConfig.from_kwargs(
-                model=str(tiny_llama_dir),
-                speculative_algorithm="draft",
-                speculative_draft_model=str(other),
-                dtype="float32",
-                num_pages=16,
-            )  # fmt: skip
-        )
+    short = make_tiny_model("llama", 3, max_position_embeddings=64)
+    for draft, why in (
+        (other, "speculative_draft_model.*vocab_size"),
+        (short, "--max-model-len 64"),
+    ):
+        config = EngineConfig.from_kwargs(
+            model=str(tiny_llama_dir), speculative_algorithm="draft",
+            speculative_draft_model=str(draft), dtype="float32", num_pages=16,
+        )  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            EngineParts(config)
     with pytest.raises(ConfigError, match="speculative_draft_model"):
         EngineConfig.from_kwargs(speculative_algorithm="draft")
     with pytest.raises(ConfigError, match="speculative_draft_model"):
