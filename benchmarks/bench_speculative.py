@@ -260,7 +260,7 @@ async def _vllm_batch(url: str, prompts: list[str], tokens: int) -> tuple[int, l
 
 def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]]) -> None:
     """`vllm` and `vllm-ngram` rows: vLLM's CPU server without / with n-gram speculation."""
-    from radixlm.runtime.models.loader import resolve_model_path
+    from radixlm.runtime.models.loader import cache_dir, resolve_model_path
 
     venv = ensure_vllm_venv(args.vllm_venv)  # created on first use, as bench_peers does
     port = 18731
@@ -271,7 +271,7 @@ def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]])
         extra = extras[mode]
         base = vllm_spec(port, venv, resolve_model_path(None), args.threads, None, args.dtype)
         spec = ServerSpec(mode, [*base.cmd, *extra], base.env, base.ready_timeout_s)
-        log = Path("benchmarks/results/logs") / f"speculative-{mode}.log"
+        log = cache_dir() / "peers" / "logs" / f"speculative-{mode}.log"  # as bench_peers
         with running_server(spec, port, log) as url:
             for name in [w for w in args.workloads if w in VLLM_WORKLOADS]:
                 for b in args.batch_sizes:
