@@ -1,44 +1,66 @@
-"""Speculative decoding with prompt-lookup drafts (`--speculative-algorithm ngram`) against plain
-decoding, in process, on the default model.
+"""Speculative decoding against plain decoding, in process, on the default model: prompt lookup
++ radix tree drafts (`ngram`), a draft model (`draft`: by default the model itself with int4
+weights, self-speculation), and optionally vLLM's CPU build with its n-gram speculation.
 
     .venv/bin/python benchmarks/bench_speculative.py [--threads 2] [--tokens 128]
-        [--batches 1,8] [--draft-tokens 4] [--disable-by-batch-size N]
+        [--batches 1,8] [--modes plain,ngram,draft] [--reps 3]
+        [--workloads extract,edit,quote,free,repeat,agent] [--agent-turns 4]
+        [--draft-tokens 4] [--draft-model default] [--draft-quantization int4]
+        [--disable-by-batch-size N] [--vllm [--vllm-modes vllm,vllm-ngram]]
         [--out benchmarks/results/speculative.json]
 
-Two workloads, greedy, chat template, `--tokens` new tokens at most:
-- `quote`: the answer repeats spans of the prompt (copy a passage, fix one word in a JSON record,
-  list a document's items): what agent loops and extraction do, where drafts are found;
-- `free`: open questions whose answers quote nothing: drafts are rare, this shows the cost.
+Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
+- `extract`: JSON extraction from a short document into a schema (constrained decoding): the
+  values are copied from the document;
+- `edit`: a code edit: "return this function with one change": nearly all of it is copied;
+- `quote`: answers that quote their source (copy a passage, fix one field of a JSON record);
+- `free`: open questions whose answers quote nothing: drafts are rare, this shows the cost;
+- `repeat`: the `free` prompts, each timed run after an untimed identical one (an agent loop or
+  a program run again: the radix tree holds the whole earlier output);
+- `agent`: a multi-turn agent loop through the DSL (`Runtime(engine=...)`): each turn the model
+  writes one JSON tool call, Python answers it, `--agent-turns` turns; the calls repeat their
+  structure and arguments.
 
-The radix cache is flushed before every timed run, so drafts come from prompt lookup only (a
-repeated run would otherwise draft the whole earlier output from the tree). A third workload,
-`repeat`, measures that case: the `free` prompts, each timed run after an untimed identical one
-(an agent loop or a program run again).
-
-Per workload and batch size (B requests submitted together): output tok/s plain and
-speculative (the median of `--reps` runs after a warm-up), their ratio, the acceptance rate
-(accepted / drafted tokens), and how many outputs are token-identical (greedy: they should all
-be, up to bf16 rounding differences between a decode row and a verification row).
-Prints the CPU (flags) and the load average; nothing here asserts on timings.
+The radix cache is flushed before every timed run (drafts come from the prompt, the run's own
+output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
+at once) and mode: output tok/s (generated tokens over wall time; the median of `--reps` runs
+after a warm-up), its ratio to `plain`, the acceptance rate (accepted / drafted tokens), the
+accepted tokens per forward, and how many outputs are token-identical to `plain`'s (greedy: all,
+up to bf16 rounding between a decode row and a verification row). `--vllm` adds `vllm-ngram`
+(and `vllm` without drafts, for its own ratio): vLLM's CPU server
+(`benchmarks/peers/bench_peers.py` starts it) with `--speculative-config
+'{"method": "ngram", ...}'`, on the unconstrained prompt workloads (`edit`, `quote`, `free`),
+each request over `/v1/completions`. Prints the CPU and the load average; nothing here asserts.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import radixlm as sgl
 from radixlm import Engine, SamplingParams
+from radixlm.lang.backend.runtime import Runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
-from bench_peers import cpu_description  # noqa: E402
+from bench_peers import (  # noqa: E402
+    SERVED_NAME,
+    ServerSpec,
+    cpu_description,
+    ensure_vllm_venv,
+    running_server,
+    vllm_spec,
+)
 
 PASSAGE = (
     "The radix cache keeps every computed prefix in a tree of pages. When a request arrives, "
@@ -51,7 +73,7 @@ QUOTE = [
     f"Here is a JSON record:\n{RECORD}\nReturn the same JSON record with the city changed to "
     "Paris. Output only JSON.",
     f"Copy this paragraph and then copy it again:\n\n{PASSAGE}",
-    f"Rewrite this record as JSON with the same keys and values:\n{RECORD}",
+    f"Summarize this text, quoting its key sentences exactly:\n\n{PASSAGE}",
 ]
 FREE = [
     "Write a short poem about the sea.",
@@ -59,88 +81,289 @@ FREE = [
     "Give me three ideas for a birthday party.",
     "What are the benefits of regular exercise?",
 ]
+FUNCTION = '''def summarize_orders(orders, currency="EUR"):
+    """Total, count and mean of the paid orders in one currency."""
+    total = 0.0
+    count = 0
+    for order in orders:
+        if order["status"] != "paid":
+            continue
+        if order["currency"] != currency:
+            continue
+        total += order["amount"]
+        count += 1
+    mean = total / count if count else 0.0
+    return {"total": round(total, 2), "count": count, "mean": round(mean, 2)}
+'''
+EDIT = [
+    f"Return this function with the variable `total` renamed to `paid_total`. Output only the "
+    f"code.\n\n{FUNCTION}",
+    f'Return this function with the default currency changed to "USD". Output only the '
+    f"code.\n\n{FUNCTION}",
+    f"Return this function with a type hint `-> dict` added to its signature. Output only the "
+    f"code.\n\n{FUNCTION}",
+    f"Return this function with the rounding changed to 3 digits. Output only the "
+    f"code.\n\n{FUNCTION}",
+]
+DOCS = [
+    "Grace Hopper was born in 1906 in New York City. She worked as a computer scientist and "
+    "naval officer; write to her at grace.hopper@navy.example.",
+    "Alan Turing was born in 1912 in London. He worked as a mathematician and cryptanalyst; "
+    "write to him at alan.turing@bletchley.example.",
+    "Katherine Johnson was born in 1918 in White Sulphur Springs. She worked as a mathematician "
+    "at NASA; write to her at katherine.johnson@nasa.example.",
+    "Edsger Dijkstra was born in 1930 in Rotterdam. He worked as a computer scientist and "
+    "professor; write to him at edsger.dijkstra@utexas.example.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "born": {"type": "integer"},
+        "city": {"type": "string"},
+        "occupation": {"type": "string"},
+        "email": {"type": "string"},
+    },
+    "required": ["name", "born", "city", "occupation", "email"],
+    "additionalProperties": False,
+}
+EXTRACT = [
+    f"Extract the person in this document as JSON with the keys name, born, city, occupation "
+    f"and email, copying the values from the text.\n\n{doc}"
+    for doc in DOCS
+]
+AGENT_SYSTEM = (
+    "You are a coding agent. Tools: read_file(path), grep(pattern, path), run_tests(path). "
+    'Reply with exactly one tool call per turn as JSON on one line, like {"tool": "grep", '
+    '"args": {"pattern": "def main", "path": "src/app.py"}}.'
+)
+AGENT_TASKS = [
+    "Find where the function parse_config is defined in src/config.py and check its tests.",
+    "Find every use of the function load_user in src/users.py and run the tests of that file.",
+    "Check whether src/server.py defines a function called handle_request and test it.",
+    "Locate the class Cache in src/cache.py, read it, and run its tests.",
+]
+PROMPT_WORKLOADS = {"extract": EXTRACT, "edit": EDIT, "quote": QUOTE, "free": FREE}
+VLLM_WORKLOADS = ("edit", "quote", "free")
+ENGINE_MODES = ("plain", "ngram", "draft")
 
 
-def run(engine: Engine, prompts: list[str], tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(max_new_tokens=tokens, temperature=0)
-    t = time.perf_counter()
-    results = engine.generate(prompts, params)
-    wall = time.perf_counter() - t
-    outs = [r.outputs[0].output_token_ids for r in results]
-    return sum(len(o) for o in outs) / wall, outs
+def tool_result(turn: int, call: str) -> str:
+    """A deterministic tool answer that echoes the call (what a real tool's output repeats)."""
+    try:
+        args = json.loads(call).get("args", {})
+    except (ValueError, AttributeError):
+        args = {}
+    path = args.get("path", "src/app.py") if isinstance(args, dict) else "src/app.py"
+    return json.dumps(
+        {"path": path, "turn": turn, "matches": [f"{path}:{10 * (turn + 1)}: def parse_config"]}
+    )
 
 
-def main() -> None:
+@sgl.function
+def agent_loop(s, task: str, turns: int, max_tokens: int):
+    s += sgl.system(AGENT_SYSTEM)
+    s += sgl.user(task)
+    for i in range(turns):
+        with s.assistant():
+            s += sgl.gen(f"call{i}", max_tokens=max_tokens, stop="\n")
+        s += sgl.user("Tool result: " + tool_result(i, s[f"call{i}"]))
+
+
+def make_engines(args: argparse.Namespace) -> dict[str, Engine]:
+    common: dict[str, Any] = dict(
+        dtype=args.dtype, num_threads=args.threads, max_running_requests=16
+    )
+    spec: dict[str, Any] = dict(speculative_num_draft_tokens=args.draft_tokens)
+    if args.disable_by_batch_size is not None:
+        spec["speculative_disable_by_batch_size"] = args.disable_by_batch_size
+    kwargs = {
+        "plain": {},
+        "ngram": dict(spec, speculative_algorithm="ngram"),
+        "draft": dict(
+            spec,
+            speculative_algorithm="draft",
+            speculative_draft_model=args.draft_model,
+            speculative_draft_quantization=args.draft_quantization,
+        ),
+    }
+    return {m: Engine(**common, **kwargs[m]) for m in args.modes if m in ENGINE_MODES}
+
+
+def prompt_runner(
+    eng: Engine, name: str, texts: list[str], b: int, tokens: int
+) -> Callable[[], list[list[int]]]:
+    """One timed run of a prompt workload: B requests at once; their output ids."""
+    prompts = [eng.apply_chat_template([{"role": "user", "content": t}]) for t in (texts * b)[:b]]
+    constraint = {"json_schema": SCHEMA} if name == "extract" else None
+    params = SamplingParams(max_new_tokens=tokens, temperature=0, constraint=constraint)
+
+    def go() -> list[list[int]]:
+        return [r.outputs[0].output_token_ids for r in eng.generate(prompts, params)]
+
+    return go
+
+
+def agent_runner(eng: Engine, b: int, turns: int, tokens: int) -> Callable[[], list[list[int]]]:
+    backend = Runtime(engine=eng)
+    kwargs = [{"task": t, "turns": turns, "max_tokens": tokens} for t in (AGENT_TASKS * b)[:b]]
+
+    def go() -> list[list[int]]:
+        states = agent_loop.run_batch(kwargs, backend=backend, temperature=0, num_threads=b)
+        return [[hash(s.text())] for s in states]  # compare whole transcripts
+
+    return go
+
+
+def measure(eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool) -> dict:
+    go()  # warm-up (oneDNN primitives for these shapes, grammar compiles)
+    before = eng.stats()
+    speeds, outs = [], []
+    for _ in range(reps):
+        # NOTE: an empty radix cache each time: otherwise the tree holds the previous run's
+        # output and drafts all of it (the repeated-program case, `repeat`).
+        eng.wait_idle()
+        eng.flush_cache()
+        if repeat:
+            go()  # the earlier run, untimed
+        start = eng.stats().generated_tokens
+        t = time.perf_counter()
+        outs = go()
+        wall = time.perf_counter() - t
+        speeds.append((eng.stats().generated_tokens - start) / wall)
+    after = eng.stats()
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    return {
+        "tok_s": round(statistics.median(speeds), 1),
+        "acceptance": round(accepted / drafted, 3) if drafted else None,
+        "accepted_per_step": round(accepted / max(1, after.num_forwards - before.num_forwards), 2),
+        "outs": outs,
+    }
+
+
+async def _vllm_batch(url: str, prompts: list[str], tokens: int) -> tuple[int, list[str]]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(prompt: str) -> dict[str, Any]:
+            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": tokens,
+                    "temperature": 0}  # fmt: skip
+            r = await client.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            return r.json()
+
+        res = await asyncio.gather(*(one(p) for p in prompts))
+    return sum(r["usage"]["completion_tokens"] for r in res), [r["choices"][0]["text"] for r in res]
+
+
+def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]]) -> None:
+    """`vllm` and `vllm-ngram` rows: vLLM's CPU server without / with n-gram speculation."""
+    from radixlm.runtime.models.loader import cache_dir, resolve_model_path
+
+    venv = ensure_vllm_venv(args.vllm_venv)  # created on first use, as bench_peers does
+    port = 18731
+    ngram = {"method": "ngram", "num_speculative_tokens": args.draft_tokens,
+             "prompt_lookup_max": 4, "prompt_lookup_min": 2}  # fmt: skip
+    extras = {"vllm": [], "vllm-ngram": ["--speculative-config", json.dumps(ngram)]}
+    for mode in args.vllm_modes:
+        extra = extras[mode]
+        base = vllm_spec(port, venv, resolve_model_path(None), args.threads, None, args.dtype)
+        spec = ServerSpec(mode, [*base.cmd, *extra], base.env, base.ready_timeout_s)
+        log = cache_dir() / "peers" / "logs" / f"speculative-{mode}.log"  # as bench_peers
+        with running_server(spec, port, log) as url:
+            for name in [w for w in args.workloads if w in VLLM_WORKLOADS]:
+                for b in args.batch_sizes:
+                    texts = (PROMPT_WORKLOADS[name] * b)[:b]
+                    prompts = [
+                        tmpl.apply_chat_template([{"role": "user", "content": t}]) for t in texts
+                    ]
+                    asyncio.run(_vllm_batch(url, prompts, 8))  # warm-up
+                    speeds = []
+                    for _ in range(args.reps):
+                        t = time.perf_counter()
+                        n, _ = asyncio.run(_vllm_batch(url, prompts, args.tokens))
+                        speeds.append(n / (time.perf_counter() - t))
+                    row = next(r for r in rows if r["workload"] == name and r["batch"] == b)
+                    row[f"{mode}_tok_s"] = round(statistics.median(speeds), 1)
+                    print(json.dumps({"workload": name, "batch": b, mode: row[f"{mode}_tok_s"]}))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from radixlm.runtime.models.loader import cache_dir
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--modes", default="plain,ngram,draft")
+    p.add_argument("--workloads", default="extract,edit,quote,free,repeat,agent")
+    p.add_argument("--agent-turns", type=int, default=4)
     p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument("--draft-model", default="default")
+    p.add_argument("--draft-quantization", default="int4")
     p.add_argument(
         "--disable-by-batch-size", type=int, default=None, help="override the engine's default"
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vllm", action="store_true", help="add vLLM's CPU server (--vllm-modes)")
+    p.add_argument("--vllm-modes", default="vllm,vllm-ngram", help="vllm (no drafts), vllm-ngram")
+    p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    args.workloads = args.workloads.split(",")
+    args.batch_sizes = [int(x) for x in args.batches.split(",")]
+    args.vllm_modes = args.vllm_modes.split(",")
+    bad = (
+        [m for m in args.modes if m not in ENGINE_MODES]
+        + [m for m in args.vllm_modes if m not in ("vllm", "vllm-ngram")]
+        + [w for w in args.workloads if w not in (*PROMPT_WORKLOADS, "repeat", "agent")]
+    )
+    if bad or "plain" not in args.modes:
+        p.error(f"--modes needs plain (of {ENGINE_MODES}); unknown: {bad}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(cpu_description(), "| load average at start:", os.getloadavg())
-    common = dict(dtype=args.dtype, num_threads=args.threads, max_running_requests=16)
-    engines = {
-        "plain": Engine(**common),
-        "spec": Engine(
-            **common,
-            speculative_algorithm="ngram",
-            speculative_num_draft_tokens=args.draft_tokens,
-            **(
-                {}
-                if args.disable_by_batch_size is None
-                else {"speculative_disable_by_batch_size": args.disable_by_batch_size}
-            ),
-        ),
-    }
+    engines = make_engines(args)
     rows: list[dict[str, Any]] = []
     try:
-        for name, texts in (("quote", QUOTE), ("free", FREE), ("repeat", FREE)):
-            for b in [int(x) for x in args.batches.split(",")]:
-                prompts = [
-                    engines["plain"].apply_chat_template([{"role": "user", "content": t}])
-                    for t in (texts * b)[:b]
-                ]
+        for name in args.workloads:
+            for b in args.batch_sizes:
                 res: dict[str, Any] = {"workload": name, "batch": b}
                 outs: dict[str, list[list[int]]] = {}
-                for key, eng in engines.items():
-                    run(eng, prompts, 8)  # warm-up (oneDNN primitives for these shapes)
-                    before = eng.stats()
-                    speeds = []
-                    for _ in range(args.reps):
-                        # NOTE: an empty radix cache each time: otherwise the tree holds the
-                        # previous run's output and drafts all of it (the repeated-program case).
-                        eng.wait_idle()
-                        eng.flush_cache()
-                        if name == "repeat":
-                            run(eng, prompts, args.tokens)  # the earlier run, untimed
-                        speed, outs[key] = run(eng, prompts, args.tokens)
-                        speeds.append(speed)
-                    after = eng.stats()
-                    res[f"{key}_tok_s"] = round(statistics.median(speeds), 1)
-                    drafted = after.spec_draft_tokens - before.spec_draft_tokens
-                    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-                    if key == "spec":
-                        res["acceptance"] = round(accepted / drafted, 3) if drafted else None
-                        res["accepted_per_step"] = round(
-                            accepted / max(1, after.num_forwards - before.num_forwards), 2
-                        )
-                res["ratio"] = round(res["spec_tok_s"] / res["plain_tok_s"], 2)
-                res["identical"] = sum(a == s for a, s in zip(outs["plain"], outs["spec"]))
+                for mode, eng in engines.items():
+                    if name == "agent":
+                        go = agent_runner(eng, b, args.agent_turns, args.tokens)
+                    else:
+                        texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
+                        go = prompt_runner(eng, name, texts, b, args.tokens)
+                    m = measure(eng, go, args.reps, repeat=name == "repeat")
+                    outs[mode] = m.pop("outs")
+                    res |= {
+                        f"{mode}_{k}": v for k, v in m.items() if mode != "plain" or k == "tok_s"
+                    }
+                for mode in engines:
+                    if mode != "plain":
+                        res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
+                        same = sum(a == s for a, s in zip(outs["plain"], outs[mode]))
+                        res[f"{mode}_identical"] = f"{same}/{len(outs['plain'])}"
                 rows.append(res)
-                print(json.dumps(res))
+                print(json.dumps(res), flush=True)
+        if args.vllm:
+            run_vllm(args, engines["plain"], rows)
     finally:
         for eng in engines.values():
             eng.shutdown()
     print("load average at end:", os.getloadavg())
     out = {"cpu": cpu_description(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

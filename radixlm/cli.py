@@ -31,6 +31,11 @@ _HELP = {
     "quantization_group_size": "int4 group size: 32 | 64 | 128",
     "quantization_lm_head": "the LM head in a quantized mode: int8 (one copy with a tied "
     "embedding) | int4 (faster at batch 1, less accurate)",
+    "speculative_draft_model": "with --speculative-algorithm draft: the draft model (HF dir or "
+    ".gguf) sharing the target's tokenizer; the target itself with "
+    "--speculative-draft-quantization int4 is self-speculation",
+    "speculative_draft_quantization": "the draft model's weight-only quantization: none | int8 | "
+    "int4 | gguf",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
     "grammar_backend": "constrained decoding backend: auto (per constraint, the first of "

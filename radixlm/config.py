@@ -14,6 +14,7 @@ QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
 INT4_GROUP_SIZES = (32, 64, 128)
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 HICACHE_WRITE_POLICIES = ("write_back", "write_through")
+SPECULATIVE_ALGORITHMS = (None, "ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class SchedulerConfig:
     # `speculative_num_draft_tokens` tokens per decode, without a draft model: the continuation
     # the radix tree holds after the whole sequence, else prompt lookup of its last
     # `speculative_ngram_max` .. `speculative_ngram_min` tokens; verified in the same forward.
-    # None: off.
+    # "draft": a draft model (`EngineConfig.speculative_draft_model`) proposes them. None: off.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min: int = 2
@@ -109,9 +110,10 @@ class SchedulerConfig:
             raise ConfigError("aging_tokens_per_second must be >= 0")
         if isinstance(self.speculative_algorithm, str):  # SGLang spells it NGRAM
             object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
-        if self.speculative_algorithm not in (None, "ngram"):
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(
-                f"speculative_algorithm must be 'ngram' or None, got {self.speculative_algorithm!r}"
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                f"got {self.speculative_algorithm!r}"
             )
         if self.speculative_num_draft_tokens < 1:
             raise ConfigError("speculative_num_draft_tokens must be >= 1")
@@ -144,6 +146,11 @@ class EngineConfig:
     # the LM head in a quantized mode, one of LM_HEAD_QUANTIZATIONS: int8 (shares the tied
     # embedding's copy) or int4 (faster at 1 row, less accurate; README)
     quantization_lm_head: str = "int8"
+    # `speculative_algorithm="draft"`: the draft model's directory (or .gguf), sharing the
+    # target's tokenizer, and its weight-only quantization (one of QUANTIZATION_MODES): the
+    # default model drafting for itself with int4 weights is self-speculation.
+    speculative_draft_model: str | None = None
+    speculative_draft_quantization: str = "none"
     seed: int = 0
     debug_integrity: bool = False  # check_integrity() after every step
     # constrained decoding: "auto" (per constraint, the first of llguidance / xgrammar / outlines
@@ -176,6 +183,25 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization_lm_head must be one of {LM_HEAD_QUANTIZATIONS}, "
                 f"got {self.quantization_lm_head!r}"
+            )
+        if self.speculative_draft_quantization not in QUANTIZATION_MODES:
+            raise ConfigError(
+                f"speculative_draft_quantization must be one of {QUANTIZATION_MODES}, "
+                f"got {self.speculative_draft_quantization!r}"
+            )
+        drafting = self.scheduler.speculative_algorithm == "draft"
+        if drafting != (self.speculative_draft_model is not None):
+            raise ConfigError(
+                "speculative_algorithm 'draft' and speculative_draft_model go together "
+                "(--speculative-algorithm draft --speculative-draft-model PATH)"
+            )
+        if drafting and self.tp_size > 1:
+            raise ConfigError("speculative_algorithm 'draft' does not support tp_size > 1 yet")
+        if drafting and self.cache.hicache_enabled:
+            # NOTE: pages loaded from the tier would carry no draft K/V (the tier stores the
+            # target's); drafts would still be verified, but refuse the silent waste.
+            raise ConfigError(
+                "speculative_algorithm 'draft' does not support the hierarchical cache yet"
             )
         # NOTE: grammar_backend is checked against the registry by the Engine (importing it
         # here would pull in torch).

@@ -33,6 +33,9 @@ class ScheduledItem:
     # Speculative decoding: draft tokens computed after the request's last token, verified
     # by this step's sampling; they are not in `req.token_ids` unless accepted.
     draft: list[int] = field(default_factory=list)
+    # Draft model: the most draft tokens it may propose for this item (pages are reserved for
+    # them); before the forward it sets `draft` and adds them to `num_tokens`.
+    draft_limit: int = 0
 
     @property
     def num_known(self) -> int:

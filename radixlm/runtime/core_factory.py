@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from radixlm.config import EngineConfig
+from radixlm.config import CacheConfig, EngineConfig
+from radixlm.kernels.forward_batch import KVCache
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.cpu_threads import release_idle_teams
@@ -24,7 +25,7 @@ from radixlm.runtime.executor import Executor
 from radixlm.runtime.grammar.base import backend_names
 from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.hicache_io import make_hicache
-from radixlm.runtime.model_runner import ModelRunner, pick_device
+from radixlm.runtime.model_runner import DTYPES, ModelRunner, pick_device
 from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 from radixlm.runtime.models.model_info import context_length, load_model_info
 from radixlm.runtime.models.registry import check_architecture, check_tensor_parallel
@@ -54,6 +55,7 @@ class EngineParts:
         check_architecture(self.model_info.architecture)  # before any weight is read
         check_tensor_parallel(self.model_info.architecture, cfg.tp_size)
         self.device = pick_device(cfg.device)
+        self.draft_dir, self.draft_info = self._draft_source()
         self.runner = self._make_runner()
         if self.device.type == "cpu":
             release_idle_teams()  # the loading thread's team; the loop thread makes its own
@@ -69,7 +71,8 @@ class EngineParts:
         self.eos_token_ids = sorted(eos)
         self.appender = TokenAppender(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.processor = OutputProcessor()
-        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed)
+        proposer = self._make_draft_model()
+        self.executor = Executor(self.runner, self.eos_token_ids, seed=cfg.seed, proposer=proposer)
         self.scheduler = Scheduler(
             self.pool,
             self.cache,
@@ -99,6 +102,7 @@ class EngineParts:
                 quantization=cfg.quantization,
                 quantization_group_size=cfg.quantization_group_size,
                 quantization_lm_head=cfg.quantization_lm_head,
+                extra_bytes_per_page=self._draft_bytes_per_page(),
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -117,6 +121,69 @@ class EngineParts:
             quantization_group_size=cfg.quantization_group_size,
             quantization_lm_head=cfg.quantization_lm_head,
         )
+
+    def _draft_source(self) -> tuple[Any, Any]:
+        """`speculative_algorithm="draft"`: the draft model's directory and `ModelInfo`, refused
+        before any weight is read when its tokenizer or vocabulary is not the target's; else
+        (None, None)."""
+        cfg = self.config
+        if cfg.speculative_draft_model is None:
+            return None, None
+        from radixlm.runtime.spec.draft_model import check_same_tokenizer
+
+        draft_dir = resolve_model_path(cfg.speculative_draft_model)
+        info = load_model_info(draft_dir)
+        check_same_tokenizer(
+            self.tokenizer,
+            load_tokenizer(draft_dir),
+            self.model_info.vocab_size,
+            info.vocab_size,
+            cfg.speculative_draft_model,
+        )
+        check_architecture(info.architecture)
+        return draft_dir, info
+
+    def _draft_bytes_per_page(self) -> int:
+        """The draft model's K/V bytes per page (0 without one): its pool has the target's
+        page count and is paid from the same KV budget."""
+        info = self.draft_info
+        if info is None:
+            return 0
+        dtype = DTYPES[self.config.dtype]
+        ps = self.config.cache.page_size
+        return KVCache.bytes_per_page(info.num_layers, ps, info.num_kv_heads, info.head_dim, dtype)
+
+    def _make_draft_model(self) -> Any:
+        """The draft model (`DraftModel`) over its own K/V buffers with the target's page
+        geometry, or None."""
+        cfg = self.config
+        if self.draft_dir is None:
+            return None
+        from radixlm.runtime.spec.draft_model import DraftModel
+
+        if self.draft_info.max_position_embeddings < self.max_model_len:
+            raise ConfigError(
+                f"speculative_draft_model {cfg.speculative_draft_model!r} holds "
+                f"{self.draft_info.max_position_embeddings} positions, fewer than the target's "
+                f"{self.max_model_len}: pass --max-model-len "
+                f"{self.draft_info.max_position_embeddings} or less"
+            )
+        cache = CacheConfig(page_size=cfg.cache.page_size, num_pages=self.runner.num_pages)
+        runner = ModelRunner(
+            self.draft_dir,
+            cfg.dtype,
+            self.device,
+            cache,
+            cfg.attention_backend,
+            self.max_model_len,
+            model_info=self.draft_info,
+            matmul_dtype=cfg.matmul_dtype,
+            enforce_eager=cfg.enforce_eager,
+            quantization=cfg.speculative_draft_quantization,
+            quantization_group_size=cfg.quantization_group_size,
+            quantization_lm_head=cfg.quantization_lm_head,
+        )
+        return DraftModel(runner, self.eos_token_ids, seed=cfg.seed)
 
     @property
     def grammar(self) -> GrammarManager | None:

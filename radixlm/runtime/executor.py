@@ -15,7 +15,7 @@ import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +29,7 @@ from radixlm.runtime.sampler import (
     make_generator,
     min_tokens_suppress_ids,
 )
+from radixlm.runtime.spec.acceptance import rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +144,82 @@ def row_matchers(reqs: Sequence[Request], prefixes: Sequence[list[int]]) -> list
     return out
 
 
+def masked_rows(
+    reqs: Sequence[Request],
+    logits: torch.Tensor,
+    rows: list[int],
+    prefixes: Sequence[list[int]],
+    eos_token_ids: Sequence[int],
+    grammar: GrammarStep | None,
+) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None, list[Any] | None]:
+    """The rows' logits `[B, V]` with grammar masks applied (a private copy when gathered;
+    see the note), the min_tokens suppressions left for the sampler, an unmasked copy for
+    logprobs when a constrained row asks (else None), the rows' matchers (None when no row is
+    constrained). Row i follows the draft tokens `prefixes[i]`."""
+    if rows != list(range(logits.shape[0])):
+        logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
+    suppress = [
+        min_tokens_suppress_ids(r.params, eos_token_ids, r.num_output_tokens + len(p))
+        for r, p in zip(reqs, prefixes)
+    ]
+    raw, matchers = None, None
+    if grammar is not None and any(r.grammar is not None for r in reqs):
+        matchers = row_matchers(reqs, prefixes)
+        if any(r.grammar is not None and r.params.logprobs for r in reqs):
+            raw = logits.clone()  # [B, V] logprobs are the unmasked model's
+        # NOTE: masks `logits` in place: it is this step's private tensor (the runner's output
+        # or the row gather above), read by nothing else.
+        suppress = grammar.mask(matchers, logits, suppress)
+    return logits, suppress, raw, matchers
+
+
+def sampling_info(
+    reqs: Sequence[Request],
+    suppress: list[list[int]],
+    prefixes: Sequence[list[int]],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingBatchInfo:
+    """The sampler's batch state for these rows; row i's output counts (penalties) include
+    `prefixes[i]`, the draft tokens before it."""
+    params = [r.params for r in reqs]
+    needs_hist = any(p.needs_penalties for p in params)
+    counts = [
+        (r.output_counts + Counter(p) if p else r.output_counts) if needs_hist else ()
+        for r, p in zip(reqs, prefixes)
+    ]
+    return SamplingBatchInfo.build(
+        params,
+        generators,
+        [r.prompt_token_set if needs_hist else () for r in reqs],
+        counts,
+        vocab_size,
+        device,
+        suppress_token_ids=suppress,
+    )
+
+
+class Proposer(Protocol):
+    """A draft model (`radixlm.runtime.spec.draft_model.DraftModel`): fills the drafts of a
+    batch's items that reserved `draft_limit` tokens (`item.draft`, `item.num_tokens`) and
+    returns, per item index whose draft was sampled, the draft's distributions `[k, V]` (the
+    acceptance is then `rejection_sample`; an item absent is verified by identity)."""
+
+    def propose(self, batch: ScheduledBatch, grammar: GrammarStep | None) -> dict[int, Any]: ...
+
+
 class Executor:
     """Runs a `ScheduledBatch` on a model runner (`forward(ForwardBatch) -> [R, V]`,
-    `kv_cache.copy_pages`, `device`, `vocab_size`)."""
+    `kv_cache.copy_pages`, `device`, `vocab_size`); with a `proposer`, the draft model first
+    fills the drafts the scheduler reserved room for."""
 
     def __init__(
         self,
         runner,
         eos_token_ids: Sequence[int],
         seed: int | None = 0,
+        proposer: Proposer | None = None,
     ) -> None:
         self.runner = runner
         self.device: torch.device = runner.device
@@ -159,6 +227,7 @@ class Executor:
         self.eos_token_ids = tuple(eos_token_ids)
         self.sampler = Sampler(seed=seed)
         self.grammar: GrammarStep | None = None
+        self.proposer = proposer
         self.page_table = PageTable()
         # Seeded requests' generators: sampler state, keyed by request (weakly: a finished
         # request's generator goes with it). The executor changes no request.
@@ -171,6 +240,7 @@ class Executor:
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         t0 = time.perf_counter()
+        draft_probs = self.proposer.propose(batch, self.grammar) if self.proposer else {}
         fb, sample_row, lp_positions = build_forward_batch(
             batch, self.page_table, self.runner.page_size, self.device
         )
@@ -183,7 +253,9 @@ class Executor:
         # One sampling row per sample, k + 1 for a sample verifying a draft of k tokens: row i
         # samples after the draft's first i tokens (which its penalties / min_tokens count).
         if any(item.draft for item in batch.items):
-            token_ids, logprobs, errors, accepted = self._verify(batch, logits, sample_row)
+            token_ids, logprobs, errors, accepted = self._verify(
+                batch, logits, sample_row, draft_probs
+            )
         else:  # no speculative draft: one row per sample
             rows = [sample_row[s.item] for s in batch.samples]
             reqs = [s.req for s in batch.samples]
@@ -201,7 +273,11 @@ class Executor:
         )
 
     def _verify(
-        self, batch: ScheduledBatch, logits: torch.Tensor, sample_row: list[int]
+        self,
+        batch: ScheduledBatch,
+        logits: torch.Tensor,
+        sample_row: list[int],
+        draft_probs: dict[int, torch.Tensor],
     ) -> tuple[
         list[int],
         list[TokenLogprob | None],
@@ -211,17 +287,36 @@ class Executor:
         """Sampling for a batch with speculative drafts: per sample, its token, logprob,
         error, and the draft tokens accepted before the token (`StepOutput` fields)."""
         rows, reqs, prefixes, spans = [], [], [], []
-        for s in batch.samples:
+        # sample j with a sampled draft: (accepted, the run emitted, its logprobs)
+        sampled: dict[int, tuple[int, list[int], list[TokenLogprob | None]]] = {}
+        errors: dict[int, SampleError] = {}
+        for j, s in enumerate(batch.samples):
             item = batch.items[s.item]
             draft = item.draft if s.req is item.req else []
+            q = draft_probs.get(s.item) if draft else None
+            if q is not None:  # a sampled draft: Leviathan / Chen acceptance
+                try:
+                    sampled[j] = self._accept(s.req, logits, sample_row[s.item], draft, q)
+                except Exception as exc:  # noqa: BLE001 - this request only
+                    logger.exception("speculative acceptance failed")
+                    errors[j] = SampleError(f"internal error in sampling: {exc!r}")
+                    sampled[j] = (0, [-1], [None])
+                spans.append((-1, draft))
+                continue
             spans.append((len(rows), draft))
             for i in range(len(draft) + 1):
                 rows.append(sample_row[s.item] + i)
                 reqs.append(s.req)
                 prefixes.append(draft[:i])
         toks, lps, row_errors = self._sample_rows(reqs, logits, rows, prefixes)
-        token_ids, logprobs, errors, accepted = [], [], {}, {}
+        token_ids, logprobs, accepted = [], [], {}
         for j, (start, draft) in enumerate(spans):
+            if j in sampled:
+                a, run_toks, run_lps = sampled[j]
+                token_ids.append(run_toks[-1])
+                logprobs.append(run_lps[-1])
+                accepted[j] = (draft[:a], run_lps[:-1])
+                continue
             span = range(start, start + len(draft) + 1)
             failed = [row_errors[r] for r in span if r in row_errors]
             if failed:
@@ -237,6 +332,31 @@ class Executor:
             if draft:
                 accepted[j] = (draft[:a], lps[start : start + a])
         return token_ids, logprobs, errors, accepted
+
+    def _accept(
+        self, req: Request, logits: torch.Tensor, row: int, draft: list[int], q: torch.Tensor
+    ) -> tuple[int, list[int], list[TokenLogprob | None]]:
+        """A draft drawn from `q` `[k, V]`, verified against the target's distributions at
+        rows `row .. row + k` (masks, penalties, filters as sampling would apply them) by
+        `rejection_sample`: the tokens accepted, then the accepted run plus the token after
+        it, with their logprobs (of the raw model)."""
+        k = len(draft)
+        reqs, prefixes = [req] * (k + 1), [draft[:i] for i in range(k + 1)]
+        x, suppress, raw, _ = self._prepare(reqs, logits, list(range(row, row + k + 1)), prefixes)
+        info = self._info(reqs, suppress, prefixes, x.device)
+        p = self.sampler.probs(x, info)  # [k + 1, V]
+        a, tok = rejection_sample(p, q.to(p.device), draft, self.sampler.uniforms(info))
+        run = [*draft[:a], tok]
+        lps: list[TokenLogprob | None] = [None] * len(run)
+        if req.params.logprobs:
+            ids = torch.tensor(run + [tok] * (k - a), device=x.device)  # [k + 1]
+            out = Sampler.with_logprobs((raw if raw is not None else x).float(), ids, info)
+            assert out.logprobs is not None and out.top_logprobs is not None
+            lps = [
+                TokenLogprob(t, out.logprobs[i], out.top_logprobs[i] or [])
+                for i, t in enumerate(run)
+            ]
+        return a, run, lps
 
     def _sample_rows(
         self,
@@ -323,25 +443,10 @@ class Executor:
         the raw (unmasked) model distribution; the requests that must fail."""
         if not reqs:
             return [], [], {}
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
-        suppress = [
-            min_tokens_suppress_ids(r.params, self.eos_token_ids, r.num_output_tokens + len(p))
-            for r, p in zip(reqs, prefixes)
-        ]
-        raw = None
-        constrained = self.grammar is not None and any(r.grammar is not None for r in reqs)
-        if constrained:
-            assert self.grammar is not None
-            matchers = row_matchers(reqs, prefixes)
-            if any(r.grammar is not None and r.params.logprobs for r in reqs):
-                raw = logits.clone()  # [B, V] logprobs are the unmasked model's
-            # NOTE: masks `logits` in place: it is this step's private tensor (the runner's
-            # output or the row gather above), read by nothing else.
-            suppress = self.grammar.mask(matchers, logits, suppress)
+        logits, suppress, raw, matchers = self._prepare(reqs, logits, rows, prefixes)
         tokens, lps = self._draw(reqs, logits, suppress, raw, prefixes)
         errors: dict[int, SampleError] = {}
-        if constrained:
+        if matchers is not None:
             assert self.grammar is not None
 
             def redraw(i: int) -> tuple[int, TokenLogprob | None]:
@@ -355,6 +460,25 @@ class Executor:
             errors = self.grammar.verify(matchers, logits, tokens, lps, redraw)
         return tokens, lps, errors
 
+    def _prepare(
+        self,
+        reqs: list[Request],
+        logits: torch.Tensor,
+        rows: list[int],
+        prefixes: list[list[int]],
+    ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None, list[Any] | None]:
+        return masked_rows(reqs, logits, rows, prefixes, self.eos_token_ids, self.grammar)
+
+    def _info(
+        self,
+        reqs: list[Request],
+        suppress: list[list[int]],
+        prefixes: list[list[int]],
+        device: torch.device,
+    ) -> SamplingBatchInfo:
+        gens = [self._generator(r) for r in reqs]
+        return sampling_info(reqs, suppress, prefixes, gens, self.vocab_size, device)
+
     def _draw(
         self,
         reqs: list[Request],
@@ -365,21 +489,7 @@ class Executor:
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """The sampler on (masked) ``logits`` ``[len(reqs), V]``; logprobs from ``raw``. Row
         i's output counts (penalties) include ``prefixes[i]``, the draft tokens before it."""
-        params = [r.params for r in reqs]
-        needs_hist = any(p.needs_penalties for p in params)
-        counts = [
-            (r.output_counts + Counter(p) if p else r.output_counts) if needs_hist else ()
-            for r, p in zip(reqs, prefixes)
-        ]
-        info = SamplingBatchInfo.build(
-            params,
-            [self._generator(r) for r in reqs],
-            [r.prompt_token_set if needs_hist else () for r in reqs],
-            counts,
-            self.vocab_size,
-            logits.device,
-            suppress_token_ids=suppress,
-        )
+        info = self._info(reqs, suppress, prefixes, logits.device)
         out = self.sampler(logits, info, raw_logits=raw)
         lps: list[TokenLogprob | None] = []
         for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):

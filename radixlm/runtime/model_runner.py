@@ -82,6 +82,7 @@ class ModelRunner:
         quantization: str = "none",
         quantization_group_size: int = 32,
         quantization_lm_head: str = "int8",
+        extra_bytes_per_page: int = 0,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
@@ -89,7 +90,8 @@ class ModelRunner:
         the reference model (eager ATen ops, `F.linear`) instead of the CPU compiled forward
         (oneDNN-prepacked linears, fused C++ layer ops). `quantization`: one of
         `radixlm.config.QUANTIZATION_MODES` (`radixlm.runtime.quantization`); a tensor-parallel
-        rank quantizes its own shard."""
+        rank quantizes its own shard. `extra_bytes_per_page`: the bytes per page of another
+        pool with this one's page count (a draft model's K/V), paid from the same KV budget."""
         from radixlm.runtime.models.cpu_linear import compute_dtype
         from radixlm.runtime.models.model_info import load_model_info
 
@@ -142,7 +144,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
 
         self.page_size = cache_config.page_size
-        self.num_pages = self._num_pages(cache_config)
+        self.num_pages = self._num_pages(cache_config, extra_bytes_per_page)
         if tp is not None and tp.world_size > 1:
             # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
             self.num_pages = tp.min_over_ranks(self.num_pages)
@@ -247,7 +249,7 @@ class ModelRunner:
             )
         return ops.name, linears
 
-    def _num_pages(self, cc: CacheConfig) -> int:
+    def _num_pages(self, cc: CacheConfig, extra_bytes_per_page: int = 0) -> int:
         cfg = self.model_config
         per_page = KVCache.bytes_per_page(
             cfg.num_hidden_layers,
@@ -263,7 +265,7 @@ class ModelRunner:
         )
         # Never more than enough for a full pool of max-length sequences: 64 of them is plenty.
         cap = 64 * (self.max_model_len // cc.page_size + 1)
-        return max(2, min(budget // per_page, cap))
+        return max(2, min(budget // (per_page + extra_bytes_per_page), cap))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
         self.attn.init_forward(batch)

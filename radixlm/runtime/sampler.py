@@ -286,6 +286,19 @@ def apply_top_k_top_p(
     return logits.masked_fill(~keep, -torch.inf)
 
 
+def pick(probs: Tensor, u: Tensor) -> Tensor:
+    """Inverse-CDF sampling: per row of ``probs`` ``[R, V]`` (non-negative, any positive sum)
+    the token where the cumulative mass first exceeds ``u * total`` (``u`` ``[R]`` in [0, 1));
+    never a zero-probability token."""
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    total = cdf[:, -1:]  # [R, 1]
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)  # [R, 1]
+    # NOTE: rounding can put u * total at total; the last positive-probability token is the
+    # first index where the cdf reaches its total.
+    last = (cdf < total).sum(dim=-1, keepdim=True)  # [R, 1]
+    return torch.minimum(picked, last).squeeze(1)
+
+
 def filter_logits(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
     """min-p, then top-k / top-p, for every row of ``logits`` ``[B, V]`` (already divided by
     the temperature); filtered tokens become -inf. The sampler does the same on its rows."""
@@ -349,7 +362,7 @@ class Sampler:
             next_ids = x.argmax(dim=-1)
             idx = torch.tensor(rows, device=x.device)  # [R]
             next_ids[idx] = self._sample(x[idx], info, rows)
-        return self._with_logprobs(raw, next_ids, info)
+        return self.with_logprobs(raw, next_ids, info)
 
     @staticmethod
     def _mask(x: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None) -> Tensor:
@@ -382,14 +395,32 @@ class Sampler:
             ks = [info.top_k_list[i] for i in rows]
             ps = [info.top_p_list[i] for i in rows]
             x = apply_top_k_top_p(x, sel(info.top_ks), sel(info.top_ps), ks, ps)
-        cdf = x.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
-        total = cdf[:, -1:]  # [R, 1] ~1
-        u = self._uniforms(info, rows, x.device)  # [R]
-        picked = torch.searchsorted(cdf, u[:, None] * total, right=True)  # [R, 1]
-        # NOTE: rounding can put u * total at total; the last positive-probability token is the
-        # first index where the cdf reaches its total.
-        last = (cdf < total).sum(dim=-1, keepdim=True)  # [R, 1]
-        return torch.minimum(picked, last).squeeze(1)
+        return pick(x.softmax(dim=-1), self._uniforms(info, rows, x.device))
+
+    def probs(self, logits: Tensor, info: SamplingBatchInfo) -> Tensor:
+        """The distribution each row's token is drawn from, ``[B, V]`` float32: bias, masks,
+        penalties, then for sampled rows temperature, min-p, top-k / top-p and softmax; a
+        greedy row is one-hot at its argmax. (Speculative decoding's acceptance reads it.)"""
+        x = self._mask(logits.float(), info, None)
+        if info.need_penalties:
+            x = apply_penalties(x, info)
+        out = torch.zeros_like(x).scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)  # [B, V]
+        rows = [i for i, g in enumerate(info.is_greedy) if not g]
+        if rows:
+            idx = torch.tensor(rows, device=x.device)  # [R]
+            y = x[idx] / info.temperatures[idx][:, None]  # [R, V]
+            if info.need_min_p:
+                y = apply_min_p(y, info.min_ps[idx])
+            if info.need_top_k_top_p:
+                ks = [info.top_k_list[i] for i in rows]
+                ps = [info.top_p_list[i] for i in rows]
+                y = apply_top_k_top_p(y, info.top_ks[idx], info.top_ps[idx], ks, ps)
+            out[idx] = y.softmax(dim=-1)
+        return out
+
+    def uniforms(self, info: SamplingBatchInfo) -> Tensor:
+        """One U[0, 1) per row of ``info`` (seeded rows from their own generator)."""
+        return self._uniforms(info, list(range(info.batch_size)), info.temperatures.device)
 
     def _uniforms(self, info: SamplingBatchInfo, rows: list[int], device: torch.device) -> Tensor:
         """One U[0, 1) per sampled row: seeded rows from their own generator, the others from
@@ -406,7 +437,8 @@ class Sampler:
         return u
 
     @staticmethod
-    def _with_logprobs(raw: Tensor, next_ids: Tensor, info: SamplingBatchInfo) -> SampleOutput:
+    def with_logprobs(raw: Tensor, next_ids: Tensor, info: SamplingBatchInfo) -> SampleOutput:
+        """``next_ids`` ``[B]`` with the raw model's logprobs (and top logprobs) where asked."""
         if not info.need_logprobs:
             return SampleOutput(next_token_ids=next_ids.tolist())
         logp = raw.log_softmax(dim=-1)  # [B, V]

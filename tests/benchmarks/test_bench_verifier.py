@@ -4,32 +4,17 @@ for exactly that keyword (the benchmark measures what it says), and outputs are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from bench_loader import load_benchmark
 
 from radixlm.runtime.grammar.strict import verified_keywords
 from radixlm.tool_calls import format_tool_call
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load() -> Any:
-    path = ROOT / "benchmarks" / "bench_verifier.py"
-    spec = importlib.util.spec_from_file_location("bench_verifier", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_verifier"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bv = _load()
+bv = load_benchmark("bench_verifier")
 
 
 @pytest.mark.parametrize("keyword", sorted(bv.KEYWORD_SCHEMAS))

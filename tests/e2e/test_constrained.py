@@ -395,9 +395,24 @@ def test_slow_compile_blocks_nobody_and_a_timeout_fails_one_request(default_mode
     assert_clean(engine)
 
 
-def test_speculative_decoding_under_a_schema_changes_no_token(default_model_dir: Any) -> None:
+SPEC = {
+    "ngram": {"speculative_algorithm": "ngram"},
+    # self-speculation: the default model with int4 weights drafts for itself
+    "draft": {
+        "speculative_algorithm": "draft",
+        "speculative_draft_model": "default",
+        "speculative_draft_quantization": "int4",
+    },
+}
+
+
+@pytest.mark.parametrize("algorithm", list(SPEC))
+def test_speculative_decoding_under_a_schema_changes_no_token(
+    default_model_dir: Any, algorithm: str
+) -> None:
     """JSON extraction copies values from the document, so drafts are found; verified under
-    per-row grammar masks, greedy float32 output equals plain decoding's, token for token."""
+    per-row grammar masks, greedy float32 output equals plain decoding's, token for token
+    (drafts stop where the grammar forces text: jump-forward re-tokenizes it there)."""
     doc = (
         "Invoice 4711 from ACME Tools Ltd, 12 Harbour Road, Bristol, dated 2024-03-05, "
         "total 1249.50 EUR, contact: billing@acme-tools.example"
@@ -414,13 +429,28 @@ def test_speculative_decoding_under_a_schema_changes_no_token(default_model_dir:
     }
     plain = _engine(default_model_dir, "xgrammar", grammar_backend="xgrammar")
     spec = _engine(
-        default_model_dir, "xgrammar-spec", grammar_backend="xgrammar",
-        speculative_algorithm="ngram",
+        default_model_dir, f"xgrammar-spec-{algorithm}", grammar_backend="xgrammar",
+        **SPEC[algorithm],
     )  # fmt: skip
-    prompt = chat(plain, f"Extract the invoice fields as JSON.\n\n{doc}")
-    params = greedy({"json_schema": schema})
-    a, b = plain.generate(prompt, params), spec.generate(prompt, params)
-    assert b.outputs[0].output_token_ids == a.outputs[0].output_token_ids
-    jsonschema.validate(json.loads(b.text), schema)
+    keys = ("name", "born", "city", "occupation", "email")
+    person = {
+        "type": "object",
+        "properties": {k: {"type": "integer" if k == "born" else "string"} for k in keys},
+        "required": list(keys),
+        "additionalProperties": False,
+    }
+    hopper = (
+        "Grace Hopper was born in 1906 in New York City. She worked as a computer scientist "
+        "and naval officer; write to her at grace.hopper@navy.example."
+    )
+    for task, sch in ((f"the invoice fields as JSON.\n\n{doc}", schema), (
+        "the person in this document as JSON with the keys name, born, city, occupation "
+        f"and email, copying the values from the text.\n\n{hopper}", person,
+    )):  # fmt: skip
+        prompt = chat(plain, f"Extract {task}")
+        params = greedy({"json_schema": sch})
+        a, b = plain.generate(prompt, params), spec.generate(prompt, params)
+        assert b.outputs[0].output_token_ids == a.outputs[0].output_token_ids
+        jsonschema.validate(json.loads(b.text), sch)
     assert spec.stats().spec_accepted_tokens > 0
     assert_clean(spec)

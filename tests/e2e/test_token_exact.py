@@ -20,6 +20,14 @@ CONFIGS = {
     "cache-spec-ngram": dict(
         enable_prefix_caching=True, chunked_prefill_size=128, speculative_algorithm="ngram"
     ),
+    # A draft model: the default model with int4 weights drafting for itself.
+    "cache-spec-draft": dict(
+        enable_prefix_caching=True,
+        chunked_prefill_size=128,
+        speculative_algorithm="draft",
+        speculative_draft_model="default",
+        speculative_draft_quantization="int4",
+    ),  # fmt: skip
 }
 
 

@@ -60,6 +60,19 @@ class FakeRunner:
         return row
 
 
+class FixedLogits:
+    """Every logits row is the same small distribution (a 'model' for sampling statistics)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.row = logits  # [V]
+        self.device = torch.device("cpu")
+        self.vocab_size = logits.numel()
+        self.page_size = 4
+
+    def forward(self, batch):  # type: ignore[no-untyped-def]
+        return self.row.expand(len(batch.logits_indices), -1).clone()  # [R, V]
+
+
 def attach_core(scheduler, runner: FakeRunner, grammar=None):
     """Give a test scheduler a `step()` (the engine's four-line step over an `Executor` on the
     fake runner) and a `runner` attribute; returns the scheduler."""

@@ -303,6 +303,24 @@ def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(ju
     assert outs[0] == outs[1]
 
 
+def test_a_draft_stops_before_a_token_after_which_the_grammar_forces_text():
+    """After "a" the grammar forces "b": plain decoding appends it by jump-forward (maybe
+    re-tokenizing "a" with it), so "a" may be sampled but never drafted; without jump-forward
+    it may; a refused token never is."""
+    from radixlm.runtime.scheduler.admission import take_compiled_grammar
+    from radixlm.runtime.scheduler.drafter import draft_token_ok, grammar_prefix
+
+    mgr = manager()
+    r = req(mgr, "f", [5], r"(ab1|cd2)+")
+    r.grammar_future.result(timeout=30)
+    assert take_compiled_grammar(r) is None
+    m = r.grammar
+    assert grammar_prefix(m, encode("cd2ab1"), jump_forward=True) == []  # "c" forces "d2"
+    assert grammar_prefix(m, encode("cd2ab1"), jump_forward=False) == encode("cd2ab1")
+    assert not draft_token_ok(m.fork(), encode("x")[0], jump_forward=False)
+    assert m.num_accepted == 0  # walked on forks
+
+
 # Needs the verifier (``not``) and admits no value: every two-digit number the grammar allows
 # is refused, so the row runs out of tokens after the first digit (a dead end).
 DEAD_END_SCHEMA = {"type": "integer", "minimum": 10, "maximum": 19, "not": {"minimum": 10}}

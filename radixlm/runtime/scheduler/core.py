@@ -88,9 +88,10 @@ class Scheduler:
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)
         self.forks = ForkPlanner(self.pages, appender.init_request)
+        # The draft model proposes in the executor; the drafter then only adapts the length.
         self.drafter = (
             Drafter(cache, config.speculative_ngram_min, config.speculative_ngram_max)
-            if config.speculative_algorithm == "ngram"
+            if config.speculative_algorithm is not None
             else None
         )
         self.waiting: deque[Request] = deque()
@@ -164,17 +165,19 @@ class Scheduler:
                 continue
             retractions = self.num_retractions
             try:
-                draft = self._draft(req, cfg.max_batched_tokens - used - n)
-                ok = self._ensure_pages(req, req.num_computed_tokens + n + len(draft), items)
+                draft, reserve = self._draft(req, cfg.max_batched_tokens - used - n)
+                total = req.num_computed_tokens + n + len(draft) + reserve
+                ok = self._ensure_pages(req, total, items)
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
                 self._unschedulable(req, items, exc)
                 ok = False
             if ok:
-                items.append(ScheduledItem(req, n + len(draft), draft))
+                items.append(ScheduledItem(req, n + len(draft), draft, reserve))
             if self.num_retractions != retractions:
-                used = sum(i.num_tokens for i in items)  # a retraction dropped an item
+                # a retraction dropped an item
+                used = sum(i.num_tokens + i.draft_limit for i in items)
             elif ok:
-                used += n + len(draft)
+                used += n + len(draft) + reserve
         self._admit(items, used)
         if self._scheduling_error is not None:
             message, self._scheduling_error = self._scheduling_error, None
@@ -199,13 +202,14 @@ class Scheduler:
         batch.failed, self._failed = self._failed, []
         return batch
 
-    def _draft(self, req: Request, budget: int) -> list[int]:
+    def _draft(self, req: Request, budget: int) -> tuple[list[int], int]:
         """Speculative decoding: draft tokens to verify after a decoding request's last token
-        (none for constrained requests, or past `max_new_tokens` / the context length)."""
+        (cut where its grammar refuses; none past `max_new_tokens` / the context length); with
+        a draft model, none yet but the number it may propose (pages are reserved for them)."""
         if self.drafter is None or req.num_uncomputed != 1 or req.num_output_tokens == 0:
-            return []
+            return [], 0
         if len(self.running) >= self.config.speculative_disable_by_batch_size:
-            return []
+            return [], 0
         limit = min(
             self.drafter.draft_length(req, self.config.speculative_num_draft_tokens),
             budget,
@@ -213,14 +217,15 @@ class Scheduler:
             self.max_model_len - req.num_tokens - 1,
         )
         if limit <= 0:
-            return []
+            return [], 0
+        if self.config.speculative_algorithm == "draft":
+            return [], limit
         draft = self.drafter.propose(req, limit)
         if draft and req.grammar is not None:
-            draft = grammar_prefix(req.grammar, draft)
-        if draft:
-            self.num_drafts += 1
-            self.num_draft_tokens += len(draft)
-        return draft
+            step = self.appender.grammar
+            jump_forward = step is not None and step.manager.jump_forward_enabled
+            draft = grammar_prefix(req.grammar, draft, jump_forward)
+        return draft, 0
 
     def _poll_grammars(self) -> None:
         """Give each waiting request whose grammar compiled its matcher; fail (only) those
@@ -326,6 +331,8 @@ class Scheduler:
             was_prefill = req.num_computed_tokens < req.num_prompt_tokens
             if item.draft:
                 n_acc = accepted.get(id(req), 0)
+                self.num_drafts += 1
+                self.num_draft_tokens += len(item.draft)
                 self.num_accepted_draft_tokens += n_acc
                 assert self.drafter is not None
                 self.drafter.record(req, len(item.draft), n_acc)
@@ -359,8 +366,8 @@ class Scheduler:
                 finished.append(req)
         self.total_generated_tokens += self.appender.num_output_tokens - appended
         for item in batch.items:
-            if item.draft and not item.req.is_finished:
-                self.pages.trim(item.req)
+            if (item.draft or item.draft_limit) and not item.req.is_finished:
+                self.pages.trim(item.req)  # rejected draft tokens, unused reserved room
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

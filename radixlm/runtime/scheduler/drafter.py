@@ -50,9 +50,10 @@ class Drafter:
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verified draft of `drafted` tokens of which `accepted` stood."""
         idx = self._index.get(req)
-        if idx is not None:
-            prev = idx.accepted_len
-            idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
+        if idx is None:  # a draft model's first verified draft (no lookup made an index)
+            idx = self._index[req] = _Index({n: {} for n in self._sizes()})
+        prev = idx.accepted_len
+        idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to `limit` draft tokens to follow `req.token_ids` (empty: no match)."""
@@ -86,11 +87,23 @@ class Drafter:
         return range(self.ngram_max, self.ngram_min - 1, -1)
 
 
-def grammar_prefix(matcher: GrammarMatcher, draft: list[int]) -> list[int]:
-    """The longest prefix of `draft` that the grammar accepts after the request's output
-    (walked on a fork: the request's matcher is not touched); a draft never ends the grammar."""
+def draft_token_ok(fork: GrammarMatcher, token: int, jump_forward: bool) -> bool:
+    """Advance `fork` (a fork of a request's matcher, through the draft so far) by a draft
+    token: True when the grammar takes it, does not end after it, and (with jump-forward) forces
+    nothing after it. NOTE: where the grammar forces text, plain decoding appends the forced
+    tokens (possibly re-tokenizing the sampled one) instead of sampling the next; a draft token
+    there would bypass that, so the token must be the step's sampled one, which goes through the
+    appender's jump-forward. Cutting there keeps drafting token-identical to plain decoding."""
+    if not fork.accept_token(token) or fork.is_terminated():
+        return False
+    return not (jump_forward and fork.forced_bytes())
+
+
+def grammar_prefix(matcher: GrammarMatcher, draft: list[int], jump_forward: bool) -> list[int]:
+    """The longest prefix of `draft` whose tokens pass `draft_token_ok` after the request's
+    output (walked on a fork: the request's matcher is not touched)."""
     m = matcher.fork()
     for i, t in enumerate(draft):
-        if not m.accept_token(t) or m.is_terminated():
+        if not draft_token_ok(m, t, jump_forward):
             return draft[:i]
     return draft

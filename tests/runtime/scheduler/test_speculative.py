@@ -11,7 +11,7 @@ from collections import Counter
 import fake_runner
 import pytest
 import torch
-from fake_runner import EOS, FakeRunner, attach_core, reference_continuation
+from fake_runner import EOS, FakeRunner, FixedLogits, attach_core, reference_continuation
 
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
@@ -110,19 +110,6 @@ def test_a_stop_token_inside_an_accepted_run_cuts_it(periodic):
     r = Request("s", prompt, SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=[13]))
     run(s, [r])
     assert r.output_token_ids == [10, 11, 12, 13] and r.finish_reason == "stop"
-
-
-class FixedLogits:
-    """Every logits row is the same small distribution (a 'model' for sampling statistics)."""
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.row = logits  # [V]
-        self.device = torch.device("cpu")
-        self.vocab_size = logits.numel()
-        self.page_size = 4
-
-    def forward(self, batch):  # type: ignore[no-untyped-def]
-        return self.row.expand(len(batch.logits_indices), -1).clone()  # [R, V]
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
