@@ -247,15 +247,25 @@ class RadixCache:
         return out
 
     def insert_and_adopt(
-        self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        namespace: Hashable | None = None,
+        swa_from: int | None = None,
     ) -> list[int]:
         """``insert``, then swap the caller's duplicates for the tree's pages.
 
         The caller holds one ref on each of ``pages``; afterwards it holds one ref on each page
         of the returned list instead (tree pages increfed, its own duplicates decrefed, which
-        frees them since they are not in the tree).
+        frees them since they are not in the tree). ``swa_from`` (a ``HybridBlockPool``): the
+        caller also holds the window part of ``pages[swa_from:]``, swapped the same way.
         """
         tree_pages = self.insert(tokens, pages, namespace)
+        if swa_from is not None:
+            pairs = zip(pages[swa_from:], tree_pages[swa_from:])
+            moves = [(own, t) for own, t in pairs if t != own]
+            if moves:
+                self.pool.move_swa(moves)
         take = [t for t, own in zip(tree_pages, pages, strict=True) if t != own]
         drop = [own for t, own in zip(tree_pages, pages, strict=True) if t != own]
         # NOTE: incref before decref so that no page is ever transiently unreferenced.

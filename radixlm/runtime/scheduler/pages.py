@@ -9,11 +9,14 @@ NOTE: invariants kept here
   write-through, every page the tree adopts is stored in the tier.
 - `req.page_gen` is bumped whenever `pages` changes other than by appending (the executor's page
   table rewrites the row then).
+- With a `HybridBlockPool` (sliding-window layers), a request also holds the window part of
+  `pages[swa_start:]`; `slide_window` releases the pages its next query can no longer see, and a
+  prefix hit is cut to where the window layers still hold what its next query needs.
 """
 
 from __future__ import annotations
 
-from radixlm.radix import BlockPool, HiCache, RadixCache
+from radixlm.radix import BlockPool, HiCache, HybridBlockPool, RadixCache
 from radixlm.runtime.request import Request
 from radixlm.runtime.scheduler.tier_loads import TierLoads
 
@@ -25,6 +28,9 @@ class PageManager:
         self.hicache = hicache
         self.tier_loads = TierLoads(hicache) if hicache is not None else None
         self.page_size = pool.page_size
+        self.hybrid = pool if isinstance(pool, HybridBlockPool) else None
+        if self.hybrid is not None and hicache is not None:
+            raise ValueError("the second KV tier does not move window-layer pages (hybrid pool)")
 
     @staticmethod
     def usable_prefix(req: Request) -> list[int]:
@@ -53,9 +59,17 @@ class PageManager:
         `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
         tokens = self.usable_prefix(req)
         m = self.cache.match_prefix(tokens, req.namespace)
+        req.page_gen += 1
+        if self.hybrid is not None:
+            # NOTE: only as far as the window layers still hold the keys the next query needs.
+            req.pages = m.pages[: self.hybrid.valid_prefix_pages(m.pages)]
+            self.pool.incref(req.pages)  # `lock` of the shortened path
+            req.num_computed_tokens = len(req.pages) * self.page_size
+            req.swa_start = self.hybrid.first_needed_page(req.num_computed_tokens)
+            self.hybrid.incref_swa(req.pages[req.swa_start :])
+            return req.num_computed_tokens
         self.cache.lock(m.node)
         req.pages = list(m.pages)
-        req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
         if self.hicache is not None:
             prefetched = self.tier_loads.take(req) if self.tier_loads is not None else None
@@ -91,6 +105,9 @@ class PageManager:
 
     def release(self, req: Request) -> None:
         """Drop every ref `req` holds; it restarts from zero computed tokens."""
+        if self.hybrid is not None:
+            self.hybrid.decref_swa(req.pages[req.swa_start :])
+            req.swa_start = 0
         self.pool.decref(req.pages)
         req.pages = []
         req.page_gen += 1
@@ -101,6 +118,8 @@ class PageManager:
         tail: private, never in the tree; their slots are written again when reached)."""
         need = -(-req.num_tokens // self.page_size)
         if len(req.pages) > need:
+            if self.hybrid is not None:
+                self.hybrid.decref_swa(req.pages[max(need, req.swa_start) :])
             self.pool.decref(req.pages[need:])
             del req.pages[need:]
             req.page_gen += 1
@@ -111,7 +130,8 @@ class PageManager:
         if num_full == 0 or not self.cache.enabled:
             return
         tokens = req.token_ids[: num_full * self.page_size]
-        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace)
+        swa_from = req.swa_start if self.hybrid is not None else None
+        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace, swa_from)
         if full != req.pages[:num_full]:
             req.pages[:num_full] = full
             req.page_gen += 1
@@ -123,14 +143,30 @@ class PageManager:
         `dst` of the partial page."""
         num_full = parent.num_computed_tokens // self.page_size
         self.pool.incref(parent.pages[:num_full])
+        if self.hybrid is not None:  # `dst`'s window part is already the child's
+            child.swa_start = parent.swa_start
+            self.hybrid.incref_swa(parent.pages[parent.swa_start : num_full])
         child.pages = parent.pages[:num_full] + ([dst] if dst is not None else [])
         child.page_gen += 1
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def slide_window(self, req: Request) -> None:
+        """Release the window part of the pages `req`'s next query can no longer see (a
+        hybrid pool; no-op otherwise). Call after `num_computed_tokens` advanced."""
+        if self.hybrid is None:
+            return
+        start = self.hybrid.first_needed_page(req.num_computed_tokens)
+        if start > req.swa_start:
+            self.hybrid.decref_swa(req.pages[req.swa_start : start])
+            req.swa_start = start
+
     def capacity_error(self, req: Request) -> str:
+        hybrid = self.hybrid
+        swa = "" if hybrid is None else f" and {hybrid.windows.num_pages} window-layer pages"
         return (
             f"request {req.request_id} needs more KV cache than the whole pool holds "
-            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages of {self.page_size})"
+            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages{swa} of "
+            f"{self.page_size})"
         )
 
     def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
@@ -145,4 +181,28 @@ class PageManager:
         for page in range(self.pool.num_pages):
             assert self.pool.ref(page) == held.get(page, 0), (
                 f"page {page}: ref {self.pool.ref(page)} but held by {held.get(page, 0)} requests"
+            )
+        if self.hybrid is not None:
+            self._check_window_refs(running)
+
+    def _check_window_refs(self, running: list[Request]) -> None:
+        """Every window page's ref equals the running requests holding its window part, and
+        those hold all that their next query reads."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        held: dict[int, int] = {}
+        for req in running:
+            need = hybrid.first_needed_page(req.num_computed_tokens)
+            assert req.swa_start <= need, (
+                f"request {req.request_id} released window pages it still needs "
+                f"(swa_start {req.swa_start} > {need})"
+            )
+            for p in req.pages[req.swa_start :]:
+                s = hybrid.swa_map[p]
+                assert s != hybrid.NO_SWA, f"request {req.request_id} holds released page {p}"
+                held[s] = held.get(s, 0) + 1
+        windows = hybrid.windows
+        for s in range(windows.num_pages):
+            assert windows.ref(s) == held.get(s, 0), (
+                f"window page {s}: ref {windows.ref(s)} but held by {held.get(s, 0)} requests"
             )
