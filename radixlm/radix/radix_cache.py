@@ -140,10 +140,17 @@ class RadixCache:
         return self._roots
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
+    def match_prefix(
+        self,
+        tokens: Sequence[int],
+        namespace: Hashable | None = None,
+        limit: Callable[[list[int]], int] | None = None,
+    ) -> MatchResult:
         """Longest prefix of ``tokens`` in the tree, in whole pages; touches the matched path.
 
         A match ending inside a node splits it, so that ``node`` ends exactly at the match.
+        ``limit(pages)``: how many leading matched pages are usable (a hybrid pool's window
+        layers may have lost the keys the next query needs); the match is cut there.
         """
         self._queried_tokens += len(tokens)
         root = self._root(namespace)
@@ -162,9 +169,23 @@ class RadixCache:
                 node = self._split(child, n)
                 break
             node = child
+        if limit is not None and (keep := limit(pages)) < len(pages):
+            node = self._cut(node, len(pages) - keep)
+            pages, pos = pages[:keep], keep * ps
         self._touch(node, hit=True)
         self._hit_tokens += pos
         return MatchResult(pages, pos, node)
+
+    def _cut(self, node: TreeNode, drop: int) -> TreeNode:
+        """The node ending ``drop`` pages above the end of ``node`` (splitting one if needed)."""
+        while drop > 0:
+            assert node.parent is not None
+            if drop >= len(node.pages):
+                drop -= len(node.pages)
+                node = node.parent
+            else:
+                node, drop = self._split(node, len(node.pages) - drop), 0
+        return node
 
     def peek_prefix_len(self, tokens: Sequence[int], namespace: Hashable | None = None) -> int:
         """Tokens ``match_prefix`` would match, read-only: no split, no LRU touch, no stats."""

@@ -58,19 +58,18 @@ class PageManager:
         into fresh pool pages (leaving `reserve` free; read in the background beforehand when
         `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
         tokens = self.usable_prefix(req)
-        m = self.cache.match_prefix(tokens, req.namespace)
-        req.page_gen += 1
-        if self.hybrid is not None:
-            # NOTE: only as far as the window layers still hold the keys the next query needs.
-            req.pages = m.pages[: self.hybrid.valid_prefix_pages(m.pages)]
-            self.pool.incref(req.pages)  # `lock` of the shortened path
-            req.num_computed_tokens = len(req.pages) * self.page_size
-            req.swa_start = self.hybrid.first_needed_page(req.num_computed_tokens)
-            self.hybrid.incref_swa(req.pages[req.swa_start :])
-            return req.num_computed_tokens
+        # NOTE: a hybrid pool's hit ends where the window layers still hold what it needs.
+        limit = self.hybrid.valid_prefix_pages if self.hybrid is not None else None
+        m = self.cache.match_prefix(tokens, req.namespace, limit)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
+        req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
+        if self.hybrid is not None:
+            start = self.hybrid.first_needed_page(req.num_computed_tokens)
+            req.swa_start = len(req.pages)  # no window page held until the incref succeeds
+            self.hybrid.incref_swa(req.pages[start:])
+            req.swa_start = start
         if self.hicache is not None:
             prefetched = self.tier_loads.take(req) if self.tier_loads is not None else None
             loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve, prefetched)
