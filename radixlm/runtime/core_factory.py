@@ -106,6 +106,7 @@ class EngineParts:
                 quantization=cfg.quantization,
                 quantization_group_size=cfg.quantization_group_size,
                 quantization_lm_head=cfg.quantization_lm_head,
+                hybrid_swa=True,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner

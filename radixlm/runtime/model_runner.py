@@ -80,6 +80,7 @@ class ModelRunner:
         quantization: str = "none",
         quantization_group_size: int = 32,
         quantization_lm_head: str = "int8",
+        hybrid_swa: bool = False,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
@@ -87,7 +88,9 @@ class ModelRunner:
         the reference model (eager ATen ops, `F.linear`) instead of the CPU compiled forward
         (oneDNN-prepacked linears, fused C++ layer ops). `quantization`: one of
         `radixlm.config.QUANTIZATION_MODES` (`radixlm.runtime.quantization`); a tensor-parallel
-        rank quantizes its own shard."""
+        rank quantizes its own shard. `hybrid_swa`: the caller owns a `HybridBlockPool` and
+        binds its page map (`bind_swa_map`), so sliding-window layers get their own, smaller
+        KV buffers (see `_hybrid`); off, every layer has a page for every position."""
         from radixlm.runtime.models.cpu_linear import compute_dtype
         from radixlm.runtime.models.model_info import load_model_info
 
@@ -144,7 +147,7 @@ class ModelRunner:
         # Sliding-window layers get their own page pool (`num_swa_pages`; None: one pool).
         self.windows: list[int] = model.sliding_windows()
         self.num_swa_pages: int | None = None
-        if self._hybrid(cache_config):
+        if hybrid_swa and self._hybrid(cache_config):
             self.num_pages, self.num_swa_pages = self._num_hybrid_pages(cache_config)
             self.kv_cache = HybridKVCache.allocate(
                 self.windows, self.num_pages, self.num_swa_pages, self.page_size,

@@ -89,6 +89,7 @@ def assert_logits_match(
         torch.device("cpu"),
         CacheConfig(page_size=4, num_pages=-(-len(ids) // 4) + 2, swa_full_tokens_ratio=1.0),
         attention_backend=backend,
+        hybrid_swa=True,
     )
     ours = run_chunks(runner, ids, chunks)
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=2e-4, rtol=1e-4)
