@@ -58,9 +58,10 @@ class PageManager:
         into fresh pool pages (leaving `reserve` free; read in the background beforehand when
         `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
         tokens = self.usable_prefix(req)
-        # NOTE: a hybrid pool's hit ends where the window layers still hold what it needs.
-        limit = self.hybrid.valid_prefix_pages if self.hybrid is not None else None
-        m = self.cache.match_prefix(tokens, req.namespace, limit)
+        if self.hybrid is None:
+            m = self.cache.match_prefix(tokens, req.namespace)
+        else:  # NOTE: the hit ends where the window layers still hold what its next query needs
+            m = self.cache.match_prefix(tokens, req.namespace, self.hybrid.valid_prefix_pages)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
         req.page_gen += 1
