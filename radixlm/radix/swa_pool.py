@@ -59,6 +59,12 @@ class HybridBlockPool(BlockPool):
         return min(len(self._free), self.windows.num_free + len(self._lru))
 
     @property
+    def num_free_full(self) -> int:
+        """Full pages in the free list (evicting tree pages frees these, never window pages
+        that ``num_free`` does not already count)."""
+        return len(self._free)
+
+    @property
     def num_swa_cached(self) -> int:
         """Window pages retained by the tree with no holder (evictable)."""
         return len(self._lru)

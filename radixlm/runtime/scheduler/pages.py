@@ -84,7 +84,9 @@ class PageManager:
         """Pages for `total_tokens` in all, leaving `reserve` pages free (headroom for the
         running requests' growth); evicts when short. False: not enough even after eviction."""
         need = req.pages_needed(total_tokens, self.page_size)
-        short = need + reserve - self.pool.num_free
+        # NOTE: a hybrid pool short of window pages (held ones) gains nothing from evicting.
+        free = self.pool.num_free if self.hybrid is None else self.hybrid.num_free_full
+        short = need + reserve - free
         if short > 0:
             self.cache.evict(short)
         if need + reserve > self.pool.num_free:

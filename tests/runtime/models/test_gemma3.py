@@ -253,3 +253,22 @@ def test_prefix_hit_after_the_window_pages_were_evicted_recomputes(tiny_gemma3_d
         engine.check_integrity()
     ours = [o.outputs[0].output_token_ids for o in outs]
     assert ours == hf_greedy(tiny_gemma3_dir, prompts, 8)
+
+
+def test_forked_branches_share_window_pages_and_match_generate(tiny_gemma3_dir):
+    """n = 2 greedy branches fork after a 21-token prompt (a partial page, copied for each
+    branch in both pools): both equal `generate`, and nothing is held afterwards."""
+    from family_check import SHARED, hf_greedy
+
+    from radixlm import Engine, SamplingParams
+
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True, n=2)
+    with Engine(
+        str(tiny_gemma3_dir), dtype="float32", page_size=4, num_pages=64, num_threads=1,
+        swa_full_tokens_ratio=0.25, chunked_prefill_size=8, debug_integrity=True,
+    ) as engine:  # fmt: skip
+        out = engine.generate(SHARED, params)
+        engine.check_integrity()
+        assert engine.pool.num_held == 0 and engine.pool.windows.num_held == 0
+    want = hf_greedy(tiny_gemma3_dir, [SHARED], 12)[0]
+    assert [c.output_token_ids for c in out.outputs] == [want, want]
