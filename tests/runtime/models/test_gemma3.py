@@ -5,6 +5,7 @@ longer than the window (the full context is served, not clamped to the window)."
 from __future__ import annotations
 
 import pytest
+import torch
 from family_check import (
     PROMPTS,
     assert_engine_matches_generate,
@@ -272,3 +273,22 @@ def test_forked_branches_share_window_pages_and_match_generate(tiny_gemma3_dir):
         assert engine.pool.num_held == 0 and engine.pool.windows.num_held == 0
     want = hf_greedy(tiny_gemma3_dir, [SHARED], 12)[0]
     assert [c.output_token_ids for c in out.outputs] == [want, want]
+
+
+def test_memory_budget_is_split_between_the_two_pools(tiny_gemma3_dir):
+    """`kv_memory_bytes` buys full pages (1 full layer) and `swa_full_tokens_ratio` x as many
+    window pages (2 window layers) within the budget; the dense pool gets fewer pages."""
+    from radixlm import Engine
+    from radixlm.kernels.forward_batch import KVCache
+
+    budget = 1 << 20
+    kw = dict(dtype="float32", page_size=4, num_threads=1, kv_memory_bytes=budget)
+    with Engine(str(tiny_gemma3_dir), swa_full_tokens_ratio=0.5, **kw) as engine:
+        cfg = engine.runner.model_config
+        layer_page = KVCache.bytes_per_page(1, 4, cfg.num_key_value_heads, 16, torch.float32)
+        full, window = engine.pool.num_pages, engine.pool.windows.num_pages
+        assert window == -(-full // 2)
+        assert full * layer_page + window * 2 * layer_page <= budget + 2 * layer_page
+        assert full == budget // (2 * layer_page)  # 1 + 0.5 x 2 layers per full page
+    with Engine(str(tiny_gemma3_dir), disable_hybrid_swa_memory=True, **kw) as engine:
+        assert engine.pool.num_pages == budget // (3 * layer_page) < full
