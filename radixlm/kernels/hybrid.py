@@ -75,10 +75,13 @@ class HybridKVCache:
     def bind_swa_map(self, swa_map: torch.Tensor) -> None:
         self.swa_map = swa_map
 
-    def window_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """Full page ids -> window page ids, same shape, int32, on the pages' device."""
-        assert self.swa_map is not None, "bind_swa_map() before the first forward"
-        return self.swa_map.to(pages.device, non_blocking=True)[pages.long()]
+    def window_pages(self, pages: torch.Tensor, swa_map: torch.Tensor | None = None):
+        """Full page ids -> window page ids, same shape, int32, on the pages' device
+        (`swa_map`: the map already on that device)."""
+        if swa_map is None:
+            assert self.swa_map is not None, "bind_swa_map() before the first forward"
+            swa_map = self.swa_map.to(pages.device, non_blocking=True)
+        return swa_map[pages.long()]
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages: the full layers', and the window layers' through `swa_map`."""
@@ -105,10 +108,12 @@ class HybridAttention:
 
     def window_batch(self, batch: ForwardBatch) -> ForwardBatch:
         """The window layers' view of `batch`: page table and K/V slots in window pages."""
-        ps = batch.page_size
-        table = self.kv_cache.window_pages(batch.page_table)  # [B, P] int32
+        ps, kv = batch.page_size, self.kv_cache
+        assert kv.swa_map is not None, "bind_swa_map() before the first forward"
+        swa_map = kv.swa_map.to(batch.page_table.device, non_blocking=True)  # [num_pages] int32
+        table = kv.window_pages(batch.page_table, swa_map)  # [B, P] int32
         loc = batch.out_cache_loc  # [T] int64
-        slots = self.kv_cache.window_pages(loc // ps).to(torch.int64) * ps + loc % ps  # [T]
+        slots = kv.window_pages(loc // ps, swa_map).to(torch.int64) * ps + loc % ps  # [T]
         return replace(batch, page_table=table.contiguous(), out_cache_loc=slots)
 
     def forward(self, layer_id: int, *args, **kwargs) -> torch.Tensor:
