@@ -57,6 +57,10 @@ _HELP = {
     "shutdown) | write_through (also as soon as they are cached: survives a crash)",
     "hicache_storage_dir": "keep the second tier in page files under this directory (turns "
     "the tier on; a restarted server finds its earlier prefixes there)",
+    "swa_full_tokens_ratio": "sliding-window models: window-layer KV pages per full-layer page "
+    "(the window layers' pool; pages outside the window are released)",
+    "disable_hybrid_swa_memory": "sliding-window models: keep every layer's K/V for every "
+    "position in one pool (no window pool)",
     "max_running_requests": "most requests decoding at once",
     "max_batched_tokens": "token budget of one forward (prefill chunks + decodes)",
     "chunked_prefill_size": "largest prefill chunk per request (0: no chunking)",

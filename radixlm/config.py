@@ -41,6 +41,11 @@ class CacheConfig:
     # shutdown); "write_through": also as soon as it is cached in the tree (a copy per computed
     # page on the loop thread; a crash then loses nothing the tier could have kept).
     hicache_write_policy: str = "write_back"
+    # Models with sliding-window layers (Gemma 3): those layers' K/V live in a second page pool
+    # of `swa_full_tokens_ratio` times the full layers' pages (SGLang's name), and pages outside
+    # the window are released as a sequence advances. Off: every layer keeps every position.
+    swa_full_tokens_ratio: float = 0.5
+    disable_hybrid_swa_memory: bool = False
 
     @property
     def hicache_enabled(self) -> bool:
@@ -62,6 +67,10 @@ class CacheConfig:
             raise ConfigError(f"num_pages must be >= 2, got {self.num_pages}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes <= 0:
             raise ConfigError(f"kv_memory_bytes must be > 0, got {self.kv_memory_bytes}")
+        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ConfigError(
+                f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
+            )
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ConfigError(
                 f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}"

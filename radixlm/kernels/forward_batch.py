@@ -146,7 +146,8 @@ class KVCache:
             torch.tensor(dst, device=device)[:, None] * ps + torch.arange(ps, device=device)
         ).flatten()
         for buf in (*self.k_buffers, *self.v_buffers):
-            buf[dst_slots] = buf[src_slots]
+            if buf.shape[0]:  # NOTE: a hybrid pool's cache holds empty buffers for other layers
+                buf[dst_slots] = buf[src_slots]
 
 
 @dataclass

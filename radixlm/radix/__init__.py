@@ -5,6 +5,7 @@ from __future__ import annotations
 from radixlm.radix.block_pool import BlockPool, OutOfPagesError
 from radixlm.radix.hicache import HiCache, HiCacheStats, PageIO
 from radixlm.radix.radix_cache import CacheStats, MatchResult, RadixCache, TreeNode
+from radixlm.radix.swa_pool import HybridBlockPool
 from radixlm.radix.tier import FileTierStore, HostTierStore, TierStore, open_file_store
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "HiCache",
     "HiCacheStats",
     "HostTierStore",
+    "HybridBlockPool",
     "MatchResult",
     "OutOfPagesError",
     "PageIO",

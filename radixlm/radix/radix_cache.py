@@ -140,10 +140,17 @@ class RadixCache:
         return self._roots
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, tokens: Sequence[int], namespace: Hashable | None = None) -> MatchResult:
+    def match_prefix(
+        self,
+        tokens: Sequence[int],
+        namespace: Hashable | None = None,
+        limit: Callable[[list[int]], int] | None = None,
+    ) -> MatchResult:
         """Longest prefix of ``tokens`` in the tree, in whole pages; touches the matched path.
 
         A match ending inside a node splits it, so that ``node`` ends exactly at the match.
+        ``limit(pages)``: how many leading matched pages are usable (a hybrid pool's window
+        layers may have lost the keys the next query needs); the match is cut there.
         """
         self._queried_tokens += len(tokens)
         root = self._root(namespace)
@@ -162,9 +169,23 @@ class RadixCache:
                 node = self._split(child, n)
                 break
             node = child
+        if limit is not None and (keep := limit(pages)) < len(pages):
+            node = self._cut(node, len(pages) - keep)
+            pages, pos = pages[:keep], keep * ps
         self._touch(node, hit=True)
         self._hit_tokens += pos
         return MatchResult(pages, pos, node)
+
+    def _cut(self, node: TreeNode, drop: int) -> TreeNode:
+        """The node ending ``drop`` pages above the end of ``node`` (splitting one if needed)."""
+        while drop > 0:
+            assert node.parent is not None
+            if drop >= len(node.pages):
+                drop -= len(node.pages)
+                node = node.parent
+            else:
+                node, drop = self._split(node, len(node.pages) - drop), 0
+        return node
 
     def peek_prefix_len(self, tokens: Sequence[int], namespace: Hashable | None = None) -> int:
         """Tokens ``match_prefix`` would match, read-only: no split, no LRU touch, no stats."""
@@ -247,15 +268,25 @@ class RadixCache:
         return out
 
     def insert_and_adopt(
-        self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable | None = None
+        self,
+        tokens: Sequence[int],
+        pages: Sequence[int],
+        namespace: Hashable | None = None,
+        swa_from: int | None = None,
     ) -> list[int]:
         """``insert``, then swap the caller's duplicates for the tree's pages.
 
         The caller holds one ref on each of ``pages``; afterwards it holds one ref on each page
         of the returned list instead (tree pages increfed, its own duplicates decrefed, which
-        frees them since they are not in the tree).
+        frees them since they are not in the tree). ``swa_from`` (a ``HybridBlockPool``): the
+        caller also holds the window part of ``pages[swa_from:]``, swapped the same way.
         """
         tree_pages = self.insert(tokens, pages, namespace)
+        if swa_from is not None:
+            pairs = zip(pages[swa_from:], tree_pages[swa_from:])
+            moves = [(own, t) for own, t in pairs if t != own]
+            if moves:
+                self.pool.move_swa(moves)
         take = [t for t, own in zip(tree_pages, pages, strict=True) if t != own]
         drop = [own for t, own in zip(tree_pages, pages, strict=True) if t != own]
         # NOTE: incref before decref so that no page is ever transiently unreferenced.

@@ -16,7 +16,7 @@ import torch
 
 from radixlm.config import CacheConfig, EngineConfig
 from radixlm.kernels.forward_batch import KVCache
-from radixlm.radix import BlockPool, RadixCache
+from radixlm.radix import BlockPool, HybridBlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.cpu_threads import release_idle_teams
 from radixlm.runtime.engine_core import EngineCore
@@ -60,7 +60,14 @@ class EngineParts:
         if self.device.type == "cpu":
             release_idle_teams()  # the loading thread's team; the loop thread makes its own
         self.max_model_len: int = self.runner.max_model_len
-        self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
+        num_swa_pages = getattr(self.runner, "num_swa_pages", None)
+        if num_swa_pages is None:
+            self.pool = BlockPool(self.runner.num_pages, cfg.cache.page_size)
+        else:  # sliding-window layers: their own pages, released outside the window
+            self.pool = HybridBlockPool(
+                self.runner.num_pages, num_swa_pages, cfg.cache.page_size, self.runner.swa_window
+            )
+            self.runner.bind_swa_map(self.pool.swa_map)
         self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
         self.hicache = make_hicache(
             cfg.cache, self.cache, self.runner.kv_cache, self.model_dir, self.tokenizer
@@ -103,6 +110,7 @@ class EngineParts:
                 quantization_group_size=cfg.quantization_group_size,
                 quantization_lm_head=cfg.quantization_lm_head,
                 extra_bytes_per_page=self._draft_bytes_per_page(),
+                hybrid_swa=True,
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,6 +11,7 @@ import torch
 
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.kernels.hybrid import HybridAttention, HybridKVCache
 from radixlm.kernels.registry import (
     create_attention_backend,
     preferred_kv_layout,
@@ -83,6 +85,7 @@ class ModelRunner:
         quantization_group_size: int = 32,
         quantization_lm_head: str = "int8",
         extra_bytes_per_page: int = 0,
+        hybrid_swa: bool = False,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
@@ -91,7 +94,10 @@ class ModelRunner:
         (oneDNN-prepacked linears, fused C++ layer ops). `quantization`: one of
         `radixlm.config.QUANTIZATION_MODES` (`radixlm.runtime.quantization`); a tensor-parallel
         rank quantizes its own shard. `extra_bytes_per_page`: the bytes per page of another
-        pool with this one's page count (a draft model's K/V), paid from the same KV budget."""
+        pool with this one's page count (a draft model's K/V), paid from the same KV budget.
+        `hybrid_swa`: the caller owns a `HybridBlockPool` and binds its page map
+        (`bind_swa_map`), so sliding-window layers get their own, smaller KV buffers (see
+        `_hybrid`); off, every layer has a page for every position."""
         from radixlm.runtime.models.cpu_linear import compute_dtype
         from radixlm.runtime.models.model_info import load_model_info
 
@@ -144,36 +150,51 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
 
         self.page_size = cache_config.page_size
-        self.num_pages = self._num_pages(cache_config, extra_bytes_per_page)
-        if tp is not None and tp.world_size > 1:
-            # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
-            self.num_pages = tp.min_over_ranks(self.num_pages)
         self.attention_backend_name = resolve_backend_name(attention_backend, device.type)
-        self.kv_cache = KVCache.allocate(
-            hf_config.num_hidden_layers,
-            self.num_pages,
-            self.page_size,
-            model_config.num_key_value_heads,
-            model.head_dim,
-            self.dtype,
-            device,
-            preferred_kv_layout(
-                self.attention_backend_name, self.dtype, self.page_size, model.head_dim
-            ),
+        layout = preferred_kv_layout(
+            self.attention_backend_name, self.dtype, self.page_size, model.head_dim
         )
-        self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
+        # Sliding-window layers get their own page pool (`num_swa_pages`; None: one pool).
+        self.windows: list[int] = model.sliding_windows()
+        self.num_swa_pages: int | None = None
+        if hybrid_swa and self._hybrid(cache_config):
+            self.num_pages, self.num_swa_pages = self._num_hybrid_pages(
+                cache_config, extra_bytes_per_page
+            )
+            self.kv_cache = HybridKVCache.allocate(
+                self.windows, self.num_pages, self.num_swa_pages, self.page_size,
+                model_config.num_key_value_heads, model.head_dim, self.dtype, device, layout,
+            )  # fmt: skip
+            self.attn = HybridAttention(self.attention_backend_name, self.kv_cache)
+        else:
+            self.num_pages = self._num_pages(cache_config, extra_bytes_per_page)
+            if tp is not None and tp.world_size > 1:
+                # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
+                self.num_pages = tp.min_over_ranks(self.num_pages)
+            self.kv_cache = KVCache.allocate(
+                hf_config.num_hidden_layers,
+                self.num_pages,
+                self.page_size,
+                model_config.num_key_value_heads,
+                model.head_dim,
+                self.dtype,
+                device,
+                layout,
+            )
+            self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
         self.enforce_eager = enforce_eager
         self.layer_ops, self.linear_method = self._prepare_forward(model)
         from radixlm.runtime.models.weight_bytes import resident_weight_bytes
 
         self.weight_bytes = resident_weight_bytes(model)
         logger.info(
-            "model %s (%s) on %s: %d KV pages of %d tokens, attention=%s, layer ops=%s, "
+            "model %s (%s) on %s: %d KV pages%s of %d tokens, attention=%s, layer ops=%s, "
             "linears=%s, quantization=%s, weights %.1f MB resident",
             model_dir.name,
             arch,
             device,
             self.num_pages,
+            "" if self.num_swa_pages is None else f" (+ {self.num_swa_pages} window-layer pages)",
             self.page_size,
             self.attention_backend_name,
             self.layer_ops,
@@ -266,6 +287,47 @@ class ModelRunner:
         # Never more than enough for a full pool of max-length sequences: 64 of them is plenty.
         cap = 64 * (self.max_model_len // cc.page_size + 1)
         return max(2, min(budget // (per_page + extra_bytes_per_page), cap))
+
+    @property
+    def swa_window(self) -> int:
+        """The widest sliding window (the hybrid pool releases pages outside it)."""
+        return max(self.windows, default=0)
+
+    def _hybrid(self, cc: CacheConfig) -> bool:
+        """Whether window layers get their own pool: some layer has a window, some page can
+        be released, and nothing needs every layer's K/V in one page (the second tier's page
+        codec; tensor-parallel workers, which get no window page map)."""
+        if cc.disable_hybrid_swa_memory or cc.hicache_enabled or self.swa_window == 0:
+            return False
+        if self.tp is not None and self.tp.world_size > 1:
+            return False
+        return self.swa_window < self.max_model_len
+
+    def _num_hybrid_pages(self, cc: CacheConfig, extra_bytes_per_page: int = 0) -> tuple[int, int]:
+        """(full pages, window pages): `num_pages` full pages if set, else the budget split so
+        that window pages = `swa_full_tokens_ratio` x full pages (and `extra_bytes_per_page`
+        paid per full page)."""
+        per_full, per_window = HybridKVCache.bytes_per_page(
+            self.windows, cc.page_size, self.model_config.num_key_value_heads,
+            self.model.head_dim, self.dtype,
+        )  # fmt: skip
+        ratio = cc.swa_full_tokens_ratio
+        if cc.num_pages is not None:
+            full = cc.num_pages
+        else:
+            budget = cc.kv_memory_bytes or int(
+                available_memory_bytes(self.device) * cc.kv_memory_fraction
+            )
+            cap = 64 * (self.max_model_len // cc.page_size + 1)
+            per = per_full + ratio * per_window + extra_bytes_per_page
+            full = max(2, min(int(budget // per), cap))
+        return full, max(1, math.ceil(ratio * full))
+
+    def bind_swa_map(self, swa_map) -> None:
+        """The page pool's full -> window page map (`HybridBlockPool.swa_map`), read zero-copy
+        by the window layers' attention."""
+        assert isinstance(self.kv_cache, HybridKVCache)
+        self.kv_cache.bind_swa_map(torch.frombuffer(swa_map, dtype=torch.int32))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
         self.attn.init_forward(batch)

@@ -97,6 +97,9 @@ class Request:
     # Bumped whenever `pages` changes other than by appending (adoption, release, fork): the
     # executor's persistent page table rewrites the row then, else it only appends.
     page_gen: int = 0
+    # Hybrid pool (sliding-window layers): the request holds the window part of
+    # `pages[swa_start:]` only; earlier pages' window K/V is released (never read again).
+    swa_start: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -219,6 +222,7 @@ SEQUENCE_FIELDS = frozenset(
         "num_computed_tokens",
         "pages",
         "page_gen",
+        "swa_start",
         "status",
         "finish_reason",
         "stop_reason",

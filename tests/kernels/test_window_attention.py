@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from radixlm.kernels.cpu import build
 from radixlm.kernels.forward_batch import KVCache
 from radixlm.kernels.registry import create_attention_backend
+from radixlm.radix import HybridBlockPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
 
@@ -85,9 +86,12 @@ def test_softcap_in_the_twin(paged_case):
     torch.testing.assert_close(out, torch.cat(want), atol=2e-5, rtol=2e-5)
 
 
-def test_gemma3_on_triton_matches_transformers(make_tiny_model):
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_gemma3_on_triton_matches_transformers(make_tiny_model, hybrid):
     """A tiny Gemma 3 (sliding layers of window 5 around a global one) through the Triton
-    kernels: chunked prefill over the paged prefix and decode steps, logits vs transformers."""
+    kernels: chunked prefill over the paged prefix and decode steps, logits vs transformers.
+    `hybrid`: the sliding layers' K/V in their own pages (`HybridBlockPool`), those outside the
+    window released after each step."""
     from transformers import AutoModelForCausalLM
 
     from radixlm.config import CacheConfig
@@ -100,17 +104,28 @@ def test_gemma3_on_triton_matches_transformers(make_tiny_model):
     )  # fmt: skip
     ids = [(i * 7919) % 40000 + 5 for i in range(19)]
     runner = ModelRunner(
-        model_dir, "float32", torch.device(DEVICE), CacheConfig(page_size=4, num_pages=8),
-        attention_backend="triton",
+        model_dir, "float32", torch.device(DEVICE),
+        CacheConfig(page_size=4, num_pages=8, swa_full_tokens_ratio=0.5),
+        attention_backend="triton", hybrid_swa=hybrid,
     )  # fmt: skip
-    pages = list(range(5))
-    outs, start = [], 0
+    pool = None
+    if hybrid:
+        pool = HybridBlockPool(runner.num_pages, runner.num_swa_pages, 4, runner.swa_window)
+        runner.bind_swa_map(pool.swa_map)
+    pages: list[int] = []
+    outs, start, released = [], 0, 0
     for n in (9, 7, 1, 1, 1):  # two prefill chunks, then three decode steps
+        need = -(-(start + n) // 4)
+        pages += pool.alloc(need - len(pages)) if pool else range(len(pages), need)
         batch = ForwardBatch.build(
             [ids[start : start + n]], [start], [pages], [list(range(n))], 4, DEVICE
         )
         outs.append(runner.forward(batch).cpu())
         start += n
+        if pool is not None:  # 4 window pages for 5 pages of tokens: only with releases
+            first = pool.first_needed_page(start)
+            pool.decref_swa(pages[released:first])
+            released = first
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]

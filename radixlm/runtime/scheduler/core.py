@@ -342,6 +342,7 @@ class Scheduler:
             if was_prefill:
                 self.total_computed_prompt_tokens += item.num_tokens
                 self.pages.cache_computed(req)  # share each computed chunk with later arrivals
+            self.pages.slide_window(req)
         self.forks.apply(batch)
         appended = self.appender.num_output_tokens
         now = time.monotonic()

@@ -12,11 +12,14 @@ NOTE: invariants kept here
 - Tokens a dead end may still roll back (`tree_limit`) never enter the tree nor are matched in
   it, nor is the page of the token before them (a rollback recomputes that token: its page must
   be private).
+- With a `HybridBlockPool` (sliding-window layers), a request also holds the window part of
+  `pages[swa_start:]`; `slide_window` releases the pages its next query can no longer see, and a
+  prefix hit is cut to where the window layers still hold what its next query needs.
 """
 
 from __future__ import annotations
 
-from radixlm.radix import BlockPool, HiCache, RadixCache
+from radixlm.radix import BlockPool, HiCache, HybridBlockPool, RadixCache
 from radixlm.runtime.request import Request
 from radixlm.runtime.scheduler.tier_loads import TierLoads
 
@@ -28,6 +31,9 @@ class PageManager:
         self.hicache = hicache
         self.tier_loads = TierLoads(hicache) if hicache is not None else None
         self.page_size = pool.page_size
+        self.hybrid = pool if isinstance(pool, HybridBlockPool) else None
+        if self.hybrid is not None and hicache is not None:
+            raise ValueError("the second KV tier does not move window-layer pages (hybrid pool)")
 
     @staticmethod
     def tree_limit(req: Request) -> int:
@@ -65,11 +71,19 @@ class PageManager:
         into fresh pool pages (leaving `reserve` free; read in the background beforehand when
         `tier_ready` was asked) and inserted into the tree: they count as hit like the pool's."""
         tokens = self.usable_prefix(req)
-        m = self.cache.match_prefix(tokens, req.namespace)
+        if self.hybrid is None:
+            m = self.cache.match_prefix(tokens, req.namespace)
+        else:  # NOTE: the hit ends where the window layers still hold what its next query needs
+            m = self.cache.match_prefix(tokens, req.namespace, self.hybrid.valid_prefix_pages)
         self.cache.lock(m.node)
         req.pages = list(m.pages)
         req.page_gen += 1
         req.num_computed_tokens = m.num_tokens
+        if self.hybrid is not None:
+            start = self.hybrid.first_needed_page(req.num_computed_tokens)
+            req.swa_start = len(req.pages)  # no window page held until the incref succeeds
+            self.hybrid.incref_swa(req.pages[start:])
+            req.swa_start = start
         if self.hicache is not None:
             prefetched = self.tier_loads.take(req) if self.tier_loads is not None else None
             loaded = self.hicache.load(tokens, req.namespace, m.num_tokens, reserve, prefetched)
@@ -83,7 +97,9 @@ class PageManager:
         """Pages for `total_tokens` in all, leaving `reserve` pages free (headroom for the
         running requests' growth); evicts when short. False: not enough even after eviction."""
         need = req.pages_needed(total_tokens, self.page_size)
-        short = need + reserve - self.pool.num_free
+        # NOTE: a hybrid pool short of window pages (held ones) gains nothing from evicting.
+        free = self.pool.num_free if self.hybrid is None else self.hybrid.num_free_full
+        short = need + reserve - free
         if short > 0:
             self.cache.evict(short)
         if need + reserve > self.pool.num_free:
@@ -104,6 +120,9 @@ class PageManager:
 
     def release(self, req: Request) -> None:
         """Drop every ref `req` holds; it restarts from zero computed tokens."""
+        if self.hybrid is not None:
+            self.hybrid.decref_swa(req.pages[req.swa_start :])
+            req.swa_start = 0
         self.pool.decref(req.pages)
         req.pages = []
         req.page_gen += 1
@@ -117,11 +136,15 @@ class PageManager:
         full pages), it is dropped and its tokens are computed again into a fresh page."""
         need = -(-req.num_tokens // self.page_size)
         if len(req.pages) > need:
+            if self.hybrid is not None:
+                self.hybrid.decref_swa(req.pages[max(need, req.swa_start) :])
             self.pool.decref(req.pages[need:])
             del req.pages[need:]
             req.page_gen += 1
         k = req.num_computed_tokens // self.page_size
         if k < len(req.pages) and self.pool.ref(req.pages[k]) > 1:
+            if self.hybrid is not None:
+                self.hybrid.decref_swa(req.pages[max(k, req.swa_start) :])
             self.pool.decref(req.pages[k:])
             del req.pages[k:]
             req.num_computed_tokens = k * self.page_size
@@ -133,7 +156,8 @@ class PageManager:
         if num_full == 0 or not self.cache.enabled:
             return
         tokens = req.token_ids[: num_full * self.page_size]
-        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace)
+        swa_from = req.swa_start if self.hybrid is not None else None
+        full = self.cache.insert_and_adopt(tokens, req.pages[:num_full], req.namespace, swa_from)
         if full != req.pages[:num_full]:
             req.pages[:num_full] = full
             req.page_gen += 1
@@ -145,14 +169,30 @@ class PageManager:
         `dst` of the partial page."""
         num_full = parent.num_computed_tokens // self.page_size
         self.pool.incref(parent.pages[:num_full])
+        if self.hybrid is not None:  # `dst`'s window part is already the child's
+            child.swa_start = parent.swa_start
+            self.hybrid.incref_swa(parent.pages[parent.swa_start : num_full])
         child.pages = parent.pages[:num_full] + ([dst] if dst is not None else [])
         child.page_gen += 1
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def slide_window(self, req: Request) -> None:
+        """Release the window part of the pages `req`'s next query can no longer see (a
+        hybrid pool; no-op otherwise). Call after `num_computed_tokens` advanced."""
+        if self.hybrid is None:
+            return
+        start = self.hybrid.first_needed_page(req.num_computed_tokens)
+        if start > req.swa_start:
+            self.hybrid.decref_swa(req.pages[req.swa_start : start])
+            req.swa_start = start
+
     def capacity_error(self, req: Request) -> str:
+        hybrid = self.hybrid
+        swa = "" if hybrid is None else f" and {hybrid.windows.num_pages} window-layer pages"
         return (
             f"request {req.request_id} needs more KV cache than the whole pool holds "
-            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages of {self.page_size})"
+            f"({req.num_tokens} tokens; pool: {self.pool.num_pages} pages{swa} of "
+            f"{self.page_size})"
         )
 
     def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
@@ -167,4 +207,28 @@ class PageManager:
         for page in range(self.pool.num_pages):
             assert self.pool.ref(page) == held.get(page, 0), (
                 f"page {page}: ref {self.pool.ref(page)} but held by {held.get(page, 0)} requests"
+            )
+        if self.hybrid is not None:
+            self._check_window_refs(running)
+
+    def _check_window_refs(self, running: list[Request]) -> None:
+        """Every window page's ref equals the running requests holding its window part, and
+        those hold all that their next query reads."""
+        hybrid = self.hybrid
+        assert hybrid is not None
+        held: dict[int, int] = {}
+        for req in running:
+            need = hybrid.first_needed_page(req.num_computed_tokens)
+            assert req.swa_start <= need, (
+                f"request {req.request_id} released window pages it still needs "
+                f"(swa_start {req.swa_start} > {need})"
+            )
+            for p in req.pages[req.swa_start :]:
+                s = hybrid.swa_map[p]
+                assert s != hybrid.NO_SWA, f"request {req.request_id} holds released page {p}"
+                held[s] = held.get(s, 0) + 1
+        windows = hybrid.windows
+        for s in range(windows.num_pages):
+            assert windows.ref(s) == held.get(s, 0), (
+                f"window page {s}: ref {windows.ref(s)} but held by {held.get(s, 0)} requests"
             )

@@ -11,6 +11,7 @@ import torch
 from radixlm import Engine, SamplingParams
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.radix import HybridBlockPool
 from radixlm.runtime.model_runner import ModelRunner
 
 SHARED = [(i * 7919) % 40000 + 5 for i in range(21)]  # a prefix two prompts share
@@ -52,16 +53,30 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> lis
 
 
 def run_chunks(runner: ModelRunner, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Prefill `ids` in the given chunk sizes through the paged cache; all-position logits."""
+    """Prefill `ids` in the given chunk sizes through the paged cache; all-position logits.
+
+    With a hybrid pool (sliding-window layers), pages come from a `HybridBlockPool` chunk by
+    chunk, and after each chunk the window pages no later query sees are released (their
+    window layers' reads then land on the zero scratch page)."""
     ps = runner.page_size
-    pages = list(range(-(-len(ids) // ps)))
-    outs, start = [], 0
+    pool = None
+    if runner.num_swa_pages is not None:
+        pool = HybridBlockPool(runner.num_pages, runner.num_swa_pages, ps, runner.swa_window)
+        runner.bind_swa_map(pool.swa_map)
+    pages: list[int] = []
+    outs, start, released = [], 0, 0
     for n in chunks:
+        need = -(-(start + n) // ps)
+        pages += pool.alloc(need - len(pages)) if pool else range(len(pages), need)
         batch = ForwardBatch.build(
             [ids[start : start + n]], [start], [pages], [list(range(n))], ps, "cpu"
         )
         outs.append(runner.forward(batch))
         start += n
+        if pool is not None:
+            first = pool.first_needed_page(start)
+            pool.decref_swa(pages[released:first])
+            released = first
     return torch.cat(outs)
 
 
@@ -72,8 +87,9 @@ def assert_logits_match(
         model_dir,
         "float32",
         torch.device("cpu"),
-        CacheConfig(page_size=4, num_pages=-(-len(ids) // 4) + 2),
+        CacheConfig(page_size=4, num_pages=-(-len(ids) // 4) + 2, swa_full_tokens_ratio=1.0),
         attention_backend=backend,
+        hybrid_swa=True,
     )
     ours = run_chunks(runner, ids, chunks)
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=2e-4, rtol=1e-4)
