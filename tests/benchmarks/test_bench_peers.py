@@ -187,6 +187,47 @@ def test_parse_args_systems() -> None:
         bp.parse_args(["--systems", "llamacpp"])
 
 
+def test_parse_args_model_defaults() -> None:
+    args = bp.parse_args(["--model", "gemma-3-270m"])
+    assert args.systems == ["radixlm", "vllm-bf16", "transformers"]
+    assert args.workloads == "c1,c8"
+    assert args.model_label == "Gemma 3 270M"
+    default = bp.parse_args([])
+    assert default.systems == ["radixlm", "vllm-bf16", "vllm-fp32"]
+    assert default.workloads == "c1,c8,c32,shared,prefill"
+    assert bp.parse_args(["--model", "gemma-3-270m", "--workloads", "c1"]).workloads == "c1"
+
+
+def test_word_list_reads_sentencepiece_words() -> None:
+    """Gemma's vocabulary marks a leading space with `▁`, not `Ġ`; a word in both counts once."""
+    vocab = {f"▁{'q' * 3}{chr(97 + i % 26)}{i // 26 * 'z'}": i for i in range(120)}
+    vocab.update({"▁apple": 200, "Ġapple": 201, "▁Apple": 202, "apple": 203})
+    words = bp.word_list(vocab)
+    assert words.count("apple") == 1 and "Apple" not in words and len(words) == 121
+
+
+def test_transformers_result_batches_by_concurrency() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def generate(rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+        calls.append((len(rows), new_tokens))
+        return [[7] * new_tokens for _ in rows]
+
+    prompts = tuple(f"p{i}" for i in range(10))
+    w = bp.Workload("c8", 8, prompts, 5, tuple([3] * 10))
+    r = bp.transformers_result(w, [[1, 2, 3]] * 10, generate)
+    assert calls == [(8, 5), (2, 5)]
+    assert (r.system, r.requests, r.errors, r.output_tokens, r.prompt_tokens) == (
+        "transformers",
+        10,
+        0,
+        50,
+        30,
+    )
+    assert r.output_tok_s == pytest.approx(50 / r.duration_s)
+    assert math.isnan(r.ttft_p50_ms) and math.isnan(r.tpot_p50_ms)
+
+
 def test_plot_writes_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     results = [
