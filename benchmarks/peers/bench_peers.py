@@ -845,7 +845,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(markdown_table([*results, *best], rats))
     for system, why in failures.items():
         what = "does not serve it" if system.startswith("vllm-") else "failed"
-        print(f"{system}: {what} ({args.model_label}): {why.strip().splitlines()[-1][:300]}")
+        print(
+            f"{system}: {what} ({args.model_label}): {(why.strip().splitlines() or [''])[-1][:300]}"
+        )
     for system, mem in memory.items():
         if mem:
             print(f"{system}: RSS {mem['rss_mb']:.0f} MB, peak {mem['peak_rss_mb']:.0f} MB")
