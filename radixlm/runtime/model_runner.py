@@ -228,6 +228,7 @@ class ModelRunner:
             add_lowp_copies,
             onednn_available,
             pack_linears,
+            rows1_supported,
         )
 
         lowp = self.dtype if self.compute_dtype != self.dtype else None
@@ -242,8 +243,10 @@ class ModelRunner:
         model.set_layer_ops(ops)
         linears = "dense"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
-            pack_linears(model, lowp)
+            pack_linears(model, lowp, rows1=rows1_supported())
             linears = "onednn-prepacked"
+            if any(getattr(m, "weight_rows1", None) is not None for m in model.modules()):
+                linears += " (one-row inputs: bf16 GEMV)"
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 
             why_not = CpuDecoderStack.unsupported_reason(model, self.attn)

@@ -24,7 +24,14 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 NAME = "radixlm_cpu_ops"
-SOURCES = ("paged_attention.cpp", "fused_ops.cpp", "threads.cpp", "decoder.cpp", "quant_ops.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "fused_ops.cpp",
+    "threads.cpp",
+    "decoder.cpp",
+    "quant_ops.cpp",
+    "gemv.cpp",
+)
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 

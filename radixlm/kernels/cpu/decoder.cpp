@@ -27,6 +27,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v, int64_t kv_layout);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -58,9 +59,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
-// A layer linear: oneDNN-prepacked (no scales) or weight-only int8 / int4 (scales given).
+// A layer linear: oneDNN-prepacked (no scales) or weight-only int8 / int4 (scales given); a
+// one-row input with a plain bf16 copy of the weight (`rows1`) takes the bf16 GEMV instead.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b) {
+                        const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
+                        const std::optional<at::Tensor>& rows1) {
+  if (rows1.has_value() && x.size(0) == 1) return gemv_bf16(x, *rows1, b);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
@@ -91,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
     const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
-    at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout) {
+    at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout,
+    const c10::List<std::optional<at::Tensor>>& rows1) {
   const int64_t n = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
@@ -99,6 +104,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
                   b_down.size() == n && s_qkv.size() == n && s_o.size() == n &&
                   s_gate_up.size() == n && s_down.size() == n,
               "decoder_stack: every per-layer list must have one entry per layer");
+  TORCH_CHECK(rows1.size() == 0 || rows1.size() == 4 * n,
+              "decoder_stack: rows1 holds 4 entries per layer (qkv, o, gate_up, down) or none");
+  auto r1 = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
+    return rows1.size() ? rows1.get(4 * l + j) : std::nullopt;
+  };
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
@@ -111,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = add_rms_norm(x, residual, ln1[l], eps);
     }
-    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l));  // [T, q + 2kv]
+    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), r1(l, 0));  // [T, q+2kv]
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: qkv width mismatch");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
@@ -124,10 +134,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
                     part_lse, page_size, scale, 0, kv_layout);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
-    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l));
+    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l), r1(l, 1));
     h = add_rms_norm(o, residual, ln2[l], eps);
-    at::Tensor gate_up = layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l));
-    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l));
+    at::Tensor gate_up =
+        layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), r1(l, 2));
+    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l), r1(l, 3));
   }
   return {x, residual};
 }
@@ -140,7 +151,8 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
-      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout=0) -> (Tensor, Tensor)");
+      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] rows1) -> "
+      "(Tensor, Tensor)");
 }
 
 // CatchAll: fp32 prepacked weights are MkldnnCPU tensors, bf16 ones plain CPU tensors.

@@ -1,0 +1,93 @@
+"""The compiled bf16 GEMV for one-row inputs (`kernels/cpu/gemv.cpp`): against an fp32 product
+(row / column tails, bias), inside `PackedLinear` against the oneDNN path, the policy that keeps
+the plain weights (`pack_linears(rows1=...)`), and a model runner's logits with and without it
+(the one-call layer stack passes the weights per layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.config import CacheConfig
+from radixlm.runtime.models import cpu_linear
+from radixlm.runtime.models.cpu_linear import PackedLinear, pack_linears, rows1_supported
+
+pytestmark = pytest.mark.skipif(
+    not rows1_supported(), reason="the bf16 GEMV needs the built op and AVX512_BF16"
+)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (960, 576), (577, 100), (15, 33), (3, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_fp32_product(n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    out = cpu_linear._gemv_op().gemv_bf16(x, w, b)
+    assert out.shape == (1, n) and out.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    # fp32 accumulation, one rounding to bf16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
+
+
+def test_gemv_refuses_bad_shapes():
+    op = cpu_linear._gemv_op()
+    with pytest.raises(RuntimeError, match=r"\[1, K\]"):
+        op.gemv_bf16(torch.zeros(2, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        op.gemv_bf16(torch.zeros(1, 8), torch.zeros(4, 8), None)
+
+
+def test_packed_linear_one_row_path_matches_onednn():
+    torch.manual_seed(0)
+    lin = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    fast, slow = PackedLinear(lin, rows1=True), PackedLinear(lin)
+    assert fast.weight_rows1 is not None and slow.weight_rows1 is None
+    x = torch.randn(3, 576).bfloat16()
+    for rows in (1, 3):  # 3 rows: both take oneDNN
+        a, b = fast(x[:rows]), slow(x[:rows])
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=2e-2)
+    assert torch.equal(fast(x), slow(x))
+
+
+def test_pack_linears_keeps_plain_weights_only_for_small_models(monkeypatch):
+    def model() -> nn.Module:
+        m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64, bias=False))
+        return m.to(torch.bfloat16)
+
+    m = model()
+    w0 = m[0].weight
+    assert pack_linears(m, rows1=True) == 2
+    assert all(lin.weight_rows1 is not None for lin in m)
+    assert m[0].weight_rows1.data_ptr() == w0.data_ptr()  # kept, not copied
+    monkeypatch.setattr(cpu_linear, "ROWS1_MAX_WEIGHT_BYTES", 100)
+    m = model()
+    pack_linears(m, rows1=True)
+    assert all(lin.weight_rows1 is None for lin in m)
+    m = model()
+    pack_linears(m)
+    assert all(lin.weight_rows1 is None for lin in m)
+
+
+def test_runner_logits_with_the_gemv(make_tiny_model, monkeypatch, runner_logits):
+    """A bf16 runner's layer stack takes the GEMV for its one-row (decode) forwards; the logits
+    of prefill, extend and decodes match a runner without it."""
+    from radixlm.runtime import model_runner as mr
+
+    model_dir = make_tiny_model("llama", 7, hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+    logits = {}
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(cpu_linear, "rows1_supported", lambda: False)
+        runner = mr.ModelRunner(
+            model_dir, "bfloat16", torch.device("cpu"), CacheConfig(page_size=16, num_pages=8),
+            attention_backend="cpu",
+        )  # fmt: skip
+        stack = runner.model.stack
+        assert stack is not None and len(stack.rows1) == (4 * 2 if on else 0)
+        logits[on] = runner_logits(runner, (7, 20, 1, 1, 1), 4)
+    torch.testing.assert_close(logits[True], logits[False], atol=5e-2, rtol=5e-2)
