@@ -32,6 +32,7 @@ SOURCES = (
     "quant_ops.cpp",
     "gemv.cpp",
 )
+HEADERS = ("simd.h",)  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 
@@ -61,12 +62,12 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    """Hash of the sources, compile flags, torch and Python versions, and CPU flags."""
+    """Hash of the sources and headers, compile flags, torch and Python versions, and CPU flags."""
     import torch
 
     h = hashlib.sha256()
     src_dir = Path(__file__).parent
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         h.update((src_dir / name).read_bytes())
     h.update(" ".join(EXTRA_CFLAGS + EXTRA_LDFLAGS).encode())
     h.update(torch.__version__.encode())

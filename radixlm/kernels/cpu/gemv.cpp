@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -18,23 +20,6 @@
 namespace {
 
 #if defined(__AVX512BF16__)
-// r[j] = sum of the 16 lanes of a[j] (a transpose-and-add tree).
-inline __m512 hsum16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 constexpr int64_t ROWS = 16;  // output rows per group
 
 // Output rows [n0, n0 + nr) (nr <= 16); K tail by masked loads. The next group's rows are
@@ -62,7 +47,7 @@ inline void gemv_group(const uint16_t* x, const uint16_t* w, const float* bias, 
                                   (__m512bh)_mm512_maskz_loadu_epi16(mk, wg + j * K + k));
   }
   const __mmask16 mr = static_cast<__mmask16>((1u << nr) - 1);
-  __m512 r = hsum16(acc);
+  __m512 r = radixlm_cpu::hsum16x16(acc);
   if (bias) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mr, bias + n0));
   _mm256_mask_storeu_epi16(y + n0, mr, (__m256i)_mm512_cvtneps_pbh(r));
 }

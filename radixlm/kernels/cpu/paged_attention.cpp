@@ -29,6 +29,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -249,23 +251,6 @@ inline void by_row_tiles(int64_t rows, Tile tile) {
 // P @ V with P rounded to bf16 (as GPU flash attention does), accumulated in fp32.
 constexpr int DKB = 16;  // keys per block: one 16-lane score vector per query head
 
-// r[j] = sum of the 16 lanes of a[j], j < 16 (a transpose-and-add tree: 45 vector ops).
-inline __m512 hsum16x16(const __m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 inline __m512bh load_bh(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
@@ -366,7 +351,7 @@ void decode_rows_bf16(const int32_t* rows, int64_t m, int64_t req, int64_t kv_lo
             }
             dots[jj] = a;
           }
-          const __m512 sv = _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(qscale));
+          const __m512 sv = _mm512_mul_ps(radixlm_cpu::hsum16x16(dots), _mm512_set1_ps(qscale));
           const __mmask16 valid = n == DKB ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
           const __m512 sm = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sv);
           _mm512_store_ps(s, sm);
