@@ -17,6 +17,7 @@ Layout (shared by every attention backend):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -117,11 +118,18 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         layout: str = "flat",
+        layers: Collection[int] | None = None,
     ) -> KVCache:
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        """Zeroed buffers of `num_pages` pages for every layer, or only for `layers` (the
+        others' buffers are empty `[0, Hkv, D]`: a hybrid pool's other cache holds them)."""
+
+        def buf(layer: int) -> torch.Tensor:
+            slots = num_pages * page_size if layers is None or layer in layers else 0
+            return torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device)
+
         return cls(
-            k_buffers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-            v_buffers=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            k_buffers=[buf(i) for i in range(num_layers)],
+            v_buffers=[buf(i) for i in range(num_layers)],
             page_size=page_size,
             layout=layout,
         )

@@ -45,26 +45,12 @@ class HybridKVCache:
     ) -> HybridKVCache:
         """`windows[l]` > 0 marks layer `l` as a window layer; both caches in `layout`."""
         win = frozenset(i for i, w in enumerate(windows) if w > 0)
-
-        def bufs(pages: int, layers: set[int] | frozenset[int]) -> list[torch.Tensor]:
-            return [
-                torch.zeros(
-                    ((pages if i in layers else 0) * page_size, num_kv_heads, head_dim),
-                    dtype=dtype,
-                    device=device,
-                )
-                for i in range(len(windows))
-            ]
-
-        full_layers = set(range(len(windows))) - win
+        full_layers = frozenset(range(len(windows))) - win
+        geometry = (num_kv_heads, head_dim, dtype, device, layout)
         # NOTE: one extra window page, the scratch page that released pages map to.
         return cls(
-            full=KVCache(
-                bufs(num_pages, full_layers), bufs(num_pages, full_layers), page_size, layout
-            ),
-            windowed=KVCache(
-                bufs(num_swa_pages + 1, win), bufs(num_swa_pages + 1, win), page_size, layout
-            ),
+            full=KVCache.allocate(len(windows), num_pages, page_size, *geometry, full_layers),
+            windowed=KVCache.allocate(len(windows), num_swa_pages + 1, page_size, *geometry, win),
             window_layers=win,
         )
 
