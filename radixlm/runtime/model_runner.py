@@ -226,9 +226,10 @@ class ModelRunner:
         from radixlm.kernels.layer_ops import get_layer_ops
         from radixlm.runtime.models.cpu_linear import (
             add_lowp_copies,
+            gemv_max_rows,
+            gemv_supported,
             onednn_available,
             pack_linears,
-            rows1_supported,
         )
 
         lowp = self.dtype if self.compute_dtype != self.dtype else None
@@ -243,10 +244,10 @@ class ModelRunner:
         model.set_layer_ops(ops)
         linears = "dense"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
-            pack_linears(model, lowp, rows1=rows1_supported())
+            pack_linears(model, lowp, plain=gemv_supported())
             linears = "onednn-prepacked"
-            if any(getattr(m, "weight_rows1", None) is not None for m in model.modules()):
-                linears += " (one-row inputs: bf16 GEMV)"
+            if any(getattr(m, "weight_plain", None) is not None for m in model.modules()):
+                linears += f" (inputs of <= {gemv_max_rows()} rows: bf16 GEMV)"
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 
             why_not = CpuDecoderStack.unsupported_reason(model, self.attn)

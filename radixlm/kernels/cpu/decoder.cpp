@@ -28,6 +28,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
+int64_t gemv_max_rows();
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v, int64_t kv_layout);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -60,11 +61,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 }
 
 // A layer linear: oneDNN-prepacked (no scales) or weight-only int8 / int4 (scales given); a
-// one-row input with a plain bf16 copy of the weight (`rows1`) takes the bf16 GEMV instead.
+// input of at most `gemv_max_rows()` rows with a plain bf16 copy of the weight (`plain`) takes the
+// bf16 GEMV instead.
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
-                        const std::optional<at::Tensor>& rows1) {
-  if (rows1.has_value() && x.size(0) == 1) return gemv_bf16(x, *rows1, b);
+                        const std::optional<at::Tensor>& plain) {
+  if (plain.has_value() && x.size(0) <= gemv_max_rows()) return gemv_bf16(x, *plain, b);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
@@ -96,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
     const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
     at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout,
-    const c10::List<std::optional<at::Tensor>>& rows1) {
+    const c10::List<std::optional<at::Tensor>>& plain) {
   const int64_t n = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
@@ -104,10 +106,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
                   b_down.size() == n && s_qkv.size() == n && s_o.size() == n &&
                   s_gate_up.size() == n && s_down.size() == n,
               "decoder_stack: every per-layer list must have one entry per layer");
-  TORCH_CHECK(rows1.size() == 0 || rows1.size() == 4 * n,
-              "decoder_stack: rows1 holds 4 entries per layer (qkv, o, gate_up, down) or none");
+  TORCH_CHECK(plain.size() == 0 || plain.size() == 4 * n,
+              "decoder_stack: plain holds 4 entries per layer (qkv, o, gate_up, down) or none");
   auto r1 = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
-    return rows1.size() ? rows1.get(4 * l + j) : std::nullopt;
+    return plain.size() ? plain.get(4 * l + j) : std::nullopt;
   };
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -151,7 +153,7 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
-      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] rows1) -> "
+      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] plain) -> "
       "(Tensor, Tensor)");
 }
 

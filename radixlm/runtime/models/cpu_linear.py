@@ -20,12 +20,12 @@ logger = logging.getLogger(__name__)
 
 # At most this many rows run the low-precision copy (measured crossover: 2-4 rows).
 SMALL_ROWS = 2
-# One-row inputs (a batch-1 decode step) take the compiled bf16 GEMV (`kernels/cpu/gemv.cpp`)
-# over a plain copy of the weight where the layer weights total at most this: measured on
-# SmolLM2-135M's 120 layer linears, 2 threads, AVX512_BF16: 9.9 vs 12.8 ms (oneDNN prepacked),
-# the per-call cost of oneDNN on small matrices; the copy doubles their memory, so only small
-# models pay it.
-ROWS1_MAX_WEIGHT_BYTES = 1 << 30
+# Inputs of a few rows (decode steps) take the compiled bf16 GEMV (`kernels/cpu/gemv.cpp`) over a
+# plain copy of the weight where the layer weights total at most this: measured on SmolLM2-135M's
+# 120 layer linears, 2 threads, AVX512_BF16, one row: 9.9 vs 12.8 ms (oneDNN prepacked), the
+# per-call cost of oneDNN on small matrices; the copy doubles their memory, so only small models
+# pay it.
+PLAIN_MAX_WEIGHT_BYTES = 1 << 30
 MATMUL_DTYPES = ("auto", "model", "float32")
 
 
@@ -101,7 +101,7 @@ class PackedLinear(nn.Module):
     its own)."""
 
     def __init__(
-        self, linear: nn.Linear, lowp: torch.dtype | None = None, rows1: bool = False
+        self, linear: nn.Linear, lowp: torch.dtype | None = None, plain: bool = False
     ) -> None:
         super().__init__()
         w = linear.weight.detach()
@@ -111,13 +111,17 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.weight_lowp = None if lowp is None else w.to(lowp)
         self.bias_lowp = None if lowp is None or self.bias is None else self.bias.to(lowp)
-        # One-row inputs: the compiled GEMV over the plain weight (kept, not copied: a tied LM
-        # head's is the embedding's own storage).
-        self.weight_rows1 = w.contiguous() if rows1 and w.dtype == torch.bfloat16 else None
+        # Inputs of at most `gemv_max_rows()` rows: the compiled GEMV over the plain weight (kept,
+        # not copied: a tied LM head's is the embedding's own storage).
+        self.weight_plain = w.contiguous() if plain and w.dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self.weight_rows1 is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16:
-            return _gemv_op().gemv_bf16(x.contiguous(), self.weight_rows1, self.bias)
+        if (
+            self.weight_plain is not None
+            and x.shape[0] <= gemv_max_rows()
+            and x.dtype == torch.bfloat16
+        ):
+            return _gemv_op().gemv_bf16(x.contiguous(), self.weight_plain, self.bias)
         if self.weight_lowp is not None and x.shape[0] <= SMALL_ROWS:
             return F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp, self.bias_lowp).to(
                 x.dtype
@@ -135,17 +139,24 @@ def _gemv_op():
     return load_op()
 
 
-def rows1_supported() -> bool:
+@functools.cache
+def gemv_max_rows() -> int:
+    """Inputs of at most this many rows take the GEMV (`kGemvMaxRows` in `gemv.cpp`)."""
+    op = _gemv_op()
+    return int(op.gemv_max_rows()) if op is not None else 0
+
+
+def gemv_supported() -> bool:
     """Whether the compiled bf16 GEMV runs here (the op built, AVX512_BF16)."""
     op = _gemv_op()
     return op is not None and bool(op.has_bf16_dot())
 
 
-def pack_linears(model: nn.Module, lowp: torch.dtype | None = None, rows1: bool = False) -> int:
+def pack_linears(model: nn.Module, lowp: torch.dtype | None = None, plain: bool = False) -> int:
     """Replace every plain `nn.Linear` of `model` (bf16 / fp32 weights) by a `PackedLinear`;
-    returns how many. Tensor-parallel linears (subclasses) keep their own forward. With `rows1`
-    (the compiled GEMV runs here: `rows1_supported()`), bf16 linears keep their plain weight for
-    one-row inputs when those weights total at most `ROWS1_MAX_WEIGHT_BYTES`. NOTE: call after
+    returns how many. Tensor-parallel linears (subclasses) keep their own forward. With `plain`
+    (the compiled GEMV runs here: `gemv_supported()`), bf16 linears keep their plain weight for
+    inputs of a few rows when those weights total at most `PLAIN_MAX_WEIGHT_BYTES`. NOTE: call after
     the weights are loaded and tied."""
     found = [
         (parent, name, child)
@@ -153,8 +164,8 @@ def pack_linears(model: nn.Module, lowp: torch.dtype | None = None, rows1: bool 
         for name, child in list(parent.named_children())
         if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)
     ]
-    plain = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found)
-    keep = rows1 and lowp is None and plain <= ROWS1_MAX_WEIGHT_BYTES
+    plain_bytes = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found)
+    keep = plain and lowp is None and plain_bytes <= PLAIN_MAX_WEIGHT_BYTES
     for parent, name, child in found:
-        setattr(parent, name, PackedLinear(child, lowp, rows1=keep))
+        setattr(parent, name, PackedLinear(child, lowp, plain=keep))
     return len(found)

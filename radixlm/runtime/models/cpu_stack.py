@@ -77,9 +77,9 @@ class CpuDecoderStack:
         self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
         self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
         self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
-        # One-row GEMV weights, 4 per layer (qkv, o, gate_up, down), or none at all.
-        rows1 = [getattr(m, "weight_rows1", None) for lay in zip(*proj.values()) for m in lay]
-        self.rows1 = rows1 if all(w is not None for w in rows1) else []
+        # GEMV weights (inputs of a few rows), 4 per layer (qkv, o, gate_up, down), or none at all.
+        plain = [getattr(m, "weight_plain", None) for lay in zip(*proj.values()) for m in lay]
+        self.plain = plain if all(w is not None for w in plain) else []
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
 
@@ -153,5 +153,5 @@ class CpuDecoderStack:
             batch.page_size,
             self.scale,
             attn.kv_layout,
-            self.rows1,
+            self.plain,
         )
