@@ -138,8 +138,9 @@ def test_sliding_window_on_pairs16(paged_case, window):
 
 @needs_bf16_dot
 def test_shared_prefix_items_on_pairs16(paged_case):
-    """Rows sharing 256 leading keys on the same pages: shared items (8+ rows: the tiles; 2
-    rows: the decode kernel) and their own keys, split or not."""
+    """Rows sharing 256 leading keys on the same pages: shared items (9 rows and 2 rows, both
+    through `shared_rows_pairs16`: each block read once for all rows) and their own keys,
+    split or not."""
     shapes = [(300, 1)] * 9 + [(270, 1)] * 2 + [(500, 1)]
     groups = [0] * 9 + [1] * 2 + [-1]
     case = paged_case(shapes, 9, 3, 64, 16, torch.bfloat16, seed=5, device="cpu", groups=groups,
