@@ -465,6 +465,27 @@ inline __mmask16 lanes_in(int64_t pos, int64_t lo, int64_t hi) {
   return static_cast<__mmask16>(((1u << b) - 1u) & ~((1u << a) - 1u));
 }
 
+// A KV_PAIRS16 V block (8 rows of D key pairs) with only its first nvalid (1 .. 15) keys kept,
+// the others zero, written to vz; returns vz.
+inline const uint32_t* v_block_zeroed(const uint32_t* vb, int64_t nvalid, int64_t D,
+                                      uint32_t* vz) {
+  for (int64_t i = 0; i < 8; ++i) {
+    const uint32_t keep = 2 * i + 1 < nvalid ? 0xFFFFFFFFu : 2 * i < nvalid ? 0x0000FFFFu : 0u;
+    for (int64_t d = 0; d < D; ++d) vz[i * D + d] = vb[i * D + d] & keep;
+  }
+  return vz;
+}
+
+// Prefetch one KV head's part of a KV_PAIRS16 block (K and V, `bytes` each).
+inline void prefetch_block(const c10::BFloat16* k, const c10::BFloat16* v, int64_t bytes) {
+  const char* kp = reinterpret_cast<const char*>(k);
+  const char* vp = reinterpret_cast<const char*>(v);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(kp + o);
+    __builtin_prefetch(vp + o);
+  }
+}
+
 constexpr int64_t BLK_PF = 2;  // key blocks prefetched ahead
 
 // A shared-prefix item (m > 1 rows over the same pages) over KV_PAIRS16: the loop order of
@@ -491,23 +512,13 @@ void shared_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
     std::fill(acc, acc + m * G * D, 0.f);
     std::fill(lsum, lsum + m * G * 16, 0.f);
     std::fill(mx, mx + m * G, NEG_INF);
-    for (int64_t b = 0; b < std::min<int64_t>(nb, BLK_PF); ++b) {
-      const char* kp = reinterpret_cast<const char*>(k_buf + bases[b] + h * head_elems);
-      const char* vp = reinterpret_cast<const char*>(v_buf + bases[b] + h * head_elems);
-      for (int64_t o = 0; o < head_elems * 2; o += 64) {
-        __builtin_prefetch(kp + o);
-        __builtin_prefetch(vp + o);
-      }
-    }
+    for (int64_t b = 0; b < std::min<int64_t>(nb, BLK_PF); ++b)
+      prefetch_block(k_buf + bases[b] + h * head_elems, v_buf + bases[b] + h * head_elems,
+                     head_elems * 2);
     for (int64_t b = 0; b < nb; ++b) {
       if (b + BLK_PF < nb) {
         const int64_t nx = bases[b + BLK_PF] + h * head_elems;
-        const char* kp = reinterpret_cast<const char*>(k_buf + nx);
-        const char* vp = reinterpret_cast<const char*>(v_buf + nx);
-        for (int64_t o = 0; o < head_elems * 2; o += 64) {
-          __builtin_prefetch(kp + o);
-          __builtin_prefetch(vp + o);
-        }
+        prefetch_block(k_buf + nx, v_buf + nx, head_elems * 2);
       }
       const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_buf + bases[b] + h * head_elems);
       const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_buf + bases[b] + h * head_elems);
@@ -516,16 +527,7 @@ void shared_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
       const __mmask16 valid = partial ? lanes_in(pos, kv_lo, kv_hi) : __mmask16(0xFFFF);
       // Keys past kv_hi in the last block may hold stale values (even NaN): read as zeros.
       alignas(64) uint32_t vz[8 * D];
-      if (pos + 16 > kv_hi) {
-        const int64_t nvalid = kv_hi - pos;  // 1 .. 15
-        for (int64_t i = 0; i < 8; ++i) {
-          const uint32_t keep = 2 * i + 1 < nvalid ? 0xFFFFFFFFu
-                                : 2 * i < nvalid   ? 0x0000FFFFu
-                                                   : 0u;
-          for (int64_t d = 0; d < D; ++d) vz[i * D + d] = vb[i * D + d] & keep;
-        }
-        vb = vz;
-      }
+      if (pos + 16 > kv_hi) vb = v_block_zeroed(vb, kv_hi - pos, D, vz);
       for (int64_t r = 0; r < m; ++r) {
         const uint32_t* qp[G];
         for (int g = 0; g < G; ++g)
@@ -631,25 +633,13 @@ void decode_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
         lsum[g] = _mm512_setzero_ps();
         mx[g] = NEG_INF;
       }
-      for (int64_t b = 0; b < std::min<int64_t>(nb, BLK_PF); ++b) {
-        const char* kp = reinterpret_cast<const char*>(k_buf + bases[b] + h * head_elems);
-        const char* vp = reinterpret_cast<const char*>(v_buf + bases[b] + h * head_elems);
-        for (int64_t o = 0; o < head_elems * 2; o += 64) {
-          __builtin_prefetch(kp + o);
-          __builtin_prefetch(vp + o);
-        }
-      }
-      // Two key blocks per step: twice the independent dot-product chains, one softmax
-      // rescale per 32 keys.
       auto prefetch = [&](int64_t blk) {
         const int64_t nx = bases[blk] + h * head_elems;
-        const char* kp = reinterpret_cast<const char*>(k_buf + nx);
-        const char* vp = reinterpret_cast<const char*>(v_buf + nx);
-        for (int64_t o = 0; o < head_elems * 2; o += 64) {
-          __builtin_prefetch(kp + o);
-          __builtin_prefetch(vp + o);
-        }
+        prefetch_block(k_buf + nx, v_buf + nx, head_elems * 2);
       };
+      for (int64_t b = 0; b < std::min<int64_t>(nb, BLK_PF); ++b) prefetch(b);
+      // Two key blocks per step: twice the independent dot-product chains, one softmax
+      // rescale per 32 keys.
       // Scaled scores of block blk's 16 keys for the G query heads (lanes = keys; lanes
       // outside [kv_lo, kv_hi) are -inf).
       auto scores = [&](int64_t blk, __m512* out_s) {
@@ -681,16 +671,7 @@ void decode_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
         const uint32_t* vb = reinterpret_cast<const uint32_t*>(v_buf + bases[blk] + h * head_elems);
         const int64_t pos = first + 16 * blk;
         alignas(64) uint32_t vz[8 * D];
-        if (pos + 16 > kv_hi) {
-          const int64_t nvalid = kv_hi - pos;  // 1 .. 15
-          for (int64_t i = 0; i < 8; ++i) {
-            const uint32_t keep = 2 * i + 1 < nvalid ? 0xFFFFFFFFu
-                                  : 2 * i < nvalid   ? 0x0000FFFFu
-                                                     : 0u;
-            for (int64_t d = 0; d < D; ++d) vz[i * D + d] = vb[i * D + d] & keep;
-          }
-          vb = vz;
-        }
+        if (pos + 16 > kv_hi) vb = v_block_zeroed(vb, kv_hi - pos, D, vz);
         for (int64_t i = 0; i < 8; ++i) {
           __m512bh pb[G];
           for (int g = 0; g < G; ++g)
