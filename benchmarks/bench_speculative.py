@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,10 +216,15 @@ def agent_runner(eng: Engine, b: int, turns: int, tokens: int) -> Callable[[], l
     return go
 
 
-def measure(eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool) -> dict:
+def measure(
+    eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """The median tok/s of `reps` timed runs (after a warm-up), the counters summed over the
+    timed runs only (`spec_stats`), and the last run's outputs."""
     go()  # warm-up (oneDNN primitives for these shapes, grammar compiles)
-    before = eng.stats()
-    speeds, outs = [], []
+    speeds: list[float] = []
+    outs: list[list[int]] = []
+    totals: Counter[str] = Counter()
     for _ in range(reps):
         # NOTE: an empty radix cache each time: otherwise the tree holds the previous run's
         # output and drafts all of it (the repeated-program case, `repeat`).
@@ -226,20 +232,51 @@ def measure(eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: b
         eng.flush_cache()
         if repeat:
             go()  # the earlier run, untimed
-        start = eng.stats().generated_tokens
+            eng.wait_idle()
+        before = eng.stats()
         t = time.perf_counter()
         outs = go()
         wall = time.perf_counter() - t
-        speeds.append((eng.stats().generated_tokens - start) / wall)
-    after = eng.stats()
-    drafted = after.spec_draft_tokens - before.spec_draft_tokens
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    return {
-        "tok_s": round(statistics.median(speeds), 1),
-        "acceptance": round(accepted / drafted, 3) if drafted else None,
-        "accepted_per_step": round(accepted / max(1, after.num_forwards - before.num_forwards), 2),
-        "outs": outs,
+        eng.wait_idle()
+        after = eng.stats()
+        speeds.append((after.generated_tokens - before.generated_tokens) / wall)
+        for f in COUNTERS:
+            totals[f] += getattr(after, f) - getattr(before, f)
+    return {"tok_s": round(statistics.median(speeds), 1), **spec_stats(totals, reps)}, outs
+
+
+COUNTERS = (
+    "num_forwards",
+    "generated_tokens",
+    "spec_decodes",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+)
+
+
+def spec_stats(c: Counter[str], reps: int) -> dict[str, Any]:
+    """The load-independent figures of the timed runs (`c`: `COUNTERS` summed over them):
+    forwards per run and tokens per forward; for drafting modes also the acceptance rate
+    (accepted / drafted tokens), the mean accepted length per verified draft, drafted and
+    accepted tokens per run, the share of decoding steps that verified a draft, and the tokens
+    each verification emitted (accepted + 1)."""
+    drafts, drafted = c["spec_drafts"], c["spec_draft_tokens"]
+    accepted, forwards = c["spec_accepted_tokens"], c["num_forwards"]
+    out: dict[str, Any] = {
+        "forwards_per_run": round(forwards / reps, 1),
+        "tokens_per_forward": round(c["generated_tokens"] / max(1, forwards), 2),
     }
+    if c["spec_decodes"]:
+        out |= {
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "mean_accepted": round(accepted / drafts, 2) if drafts else None,
+            "drafted_per_run": round(drafted / reps, 1),
+            "accepted_per_run": round(accepted / reps, 1),
+            "draft_step_share": round(drafts / c["spec_decodes"], 3),
+            "tokens_per_verify": round(1 + accepted / drafts, 2) if drafts else None,
+        }
+    return out
 
 
 async def _vllm_batch(url: str, prompts: list[str], tokens: int) -> tuple[int, list[str]]:
@@ -344,11 +381,8 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
                         go = prompt_runner(eng, name, texts, b, args.tokens)
-                    m = measure(eng, go, args.reps, repeat=name == "repeat")
-                    outs[mode] = m.pop("outs")
-                    res |= {
-                        f"{mode}_{k}": v for k, v in m.items() if mode != "plain" or k == "tok_s"
-                    }
+                    m, outs[mode] = measure(eng, go, args.reps, repeat=name == "repeat")
+                    res |= {f"{mode}_{k}": v for k, v in m.items()}
                 for mode in engines:
                     if mode != "plain":
                         res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
