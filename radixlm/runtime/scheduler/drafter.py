@@ -5,10 +5,12 @@
    fork's sibling), the continuation it holds is the draft (`RadixCache.continuation`).
 2. Prompt lookup: the longest recent n-gram of the sequence (n from `ngram_max` down to
    `ngram_min`) that occurred earlier in its prompt or output; the tokens that followed its
-   latest earlier occurrence are the draft. Agent loops, JSON extraction and quoting chat turns
-   repeat spans of their context, which is what this finds. With `first_token_keys` an n-gram's
-   first token matches regardless of a leading space (`"New"` after `":"` matches `" New"` in
-   the prose it is copied from: JSON values and quotes start a span without the space).
+   latest earlier occurrence are the draft (an n-gram whose occurrences went on differently is
+   a source of its own: its acceptance is learned apart). Agent loops, JSON extraction and
+   quoting chat turns repeat spans of their context, which is what this finds. With
+   `first_token_keys` an n-gram's first token matches regardless of a leading space (`"New"`
+   after `":"` matches `" New"` in the prose it is copied from: JSON values and quotes start
+   a span without the space).
 
 Nothing is drafted for a sequence that neither finds.
 
@@ -38,14 +40,16 @@ MODEL = "model"  # the source of a draft model's proposal
 REQUEST_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT = 0.8, 0.98, 2.0
 
 
-def ngram_source(n: int) -> str:
-    return f"ngram{n}"
+def ngram_source(n: int, ambiguous: bool = False) -> str:
+    """The source of a matched n-gram's continuation; `ambiguous`: its earlier occurrences
+    went on differently (a JSON key's `":"` before each value), learned apart."""
+    return f"ngram{n}~" if ambiguous else f"ngram{n}"
 
 
 @dataclass(frozen=True)
 class Proposal:
     """Draft tokens to follow a request's sequence and where they came from (`TREE`, or
-    `ngram_source(n)`: the continuation of a matched n-gram)."""
+    `ngram_source(n, ambiguous)`: the continuation of a matched n-gram)."""
 
     tokens: list[int]
     source: str
@@ -55,6 +59,8 @@ class Proposal:
 class _Index:
     # n -> {n-gram key: end position of its latest occurrence ending before the last token}
     ends: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    # n -> the n-gram keys whose occurrences were followed by different tokens
+    ambiguous: dict[int, set[tuple[int, ...]]] = field(default_factory=dict)
     upto: int = 0  # n-grams ending at positions < upto are indexed
     accepted_len: float | None = None  # moving average of the accepted draft length
     source: str = MODEL  # the source of the latest proposal (what `record` counts)
@@ -130,7 +136,7 @@ class Drafter:
         return p
 
     def _new_index(self) -> _Index:
-        return _Index({n: {} for n in self._sizes()})
+        return _Index({n: {} for n in self._sizes()}, {n: set() for n in self._sizes()})
 
     def _key(self, gram: Sequence[int]) -> tuple[int, ...]:
         """An n-gram's index key: its first token without a leading space (when
@@ -147,14 +153,20 @@ class Drafter:
         for end in range(max(idx.upto, 1), last):
             for n in self._sizes():
                 if end >= n:
-                    idx.ends[n][self._key(tokens[end - n : end])] = end
+                    key = self._key(tokens[end - n : end])
+                    prev = idx.ends[n].get(key)
+                    if prev is not None and tokens[prev] != tokens[end]:
+                        idx.ambiguous[n].add(key)
+                    idx.ends[n][key] = end
         idx.upto = last
         for n in self._sizes():
             if last < n:
                 continue
-            end = idx.ends[n].get(self._key(tokens[last - n :]))
+            key = self._key(tokens[last - n :])
+            end = idx.ends[n].get(key)
             if end is not None:
-                return self._proposed(req, Proposal(tokens[end : end + limit], ngram_source(n)))
+                source = ngram_source(n, key in idx.ambiguous[n])
+                return self._proposed(req, Proposal(tokens[end : end + limit], source))
         return None
 
     def _sizes(self) -> range:

@@ -44,8 +44,8 @@ def test_the_drafter_continues_the_latest_earlier_occurrence_of_the_longest_suff
     assert d.propose(r, 3) == Proposal([8, 9, 5], "ngram3")  # "5 6 7" occurred at 0..2
     r.token_ids += [1, 2]  # "7 1 2": only the 1-gram "2" could match, and it did not occur
     assert d.propose(r, 3) is None
-    r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes, latest earlier end: position 7
-    assert d.propose(r, 2) == Proposal([1, 2], "ngram2")
+    r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes (went on with 8, then 1): latest, at 7
+    assert d.propose(r, 2) == Proposal([1, 2], "ngram2~")
     assert Drafter(None, 2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) is None
 
 
@@ -298,3 +298,13 @@ def test_drafts_are_sized_by_the_step_cost(periodic):
     assert drafted_at[8] == 0 and eight.num_draft_tokens > 0
     for r in a + b:
         assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 24)
+
+
+def test_an_ngram_that_went_on_differently_is_its_own_source():
+    """'k :' went on with 5, then with 6: a match of ':' drafts the latest (6 ...) but as the
+    ambiguous 1-gram source, whose acceptance is learned apart from the unambiguous one."""
+    d = Drafter(None, 1, 3)
+    r = Request("a", [1, 9, 5, 2, 9, 6, 3, 9], SamplingParams())
+    assert d.propose(r, 2) == Proposal([6, 3], "ngram1~")
+    r2 = Request("b", [1, 9, 5, 2, 7, 9], SamplingParams())
+    assert d.propose(r2, 2) == Proposal([5, 2], "ngram1")
