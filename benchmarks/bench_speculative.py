@@ -247,6 +247,7 @@ def measure(
 
 COUNTERS = (
     "num_forwards",
+    "forward_tokens",
     "generated_tokens",
     "spec_decodes",
     "spec_drafts",
@@ -257,15 +258,16 @@ COUNTERS = (
 
 def spec_stats(c: Counter[str], reps: int) -> dict[str, Any]:
     """The load-independent figures of the timed runs (`c`: `COUNTERS` summed over them):
-    forwards per run and tokens per forward; for drafting modes also the acceptance rate
-    (accepted / drafted tokens), the mean accepted length per verified draft, drafted and
-    accepted tokens per run, the share of decoding steps that verified a draft, and the tokens
-    each verification emitted (accepted + 1)."""
+    forwards per run, output tokens and rows (tokens computed) per forward; for drafting
+    modes also the acceptance rate (accepted / drafted tokens), the mean accepted length per
+    verified draft, drafted and accepted tokens per run, the share of decoding steps that
+    verified a draft, and the tokens each verification emitted (accepted + 1)."""
     drafts, drafted = c["spec_drafts"], c["spec_draft_tokens"]
     accepted, forwards = c["spec_accepted_tokens"], c["num_forwards"]
     out: dict[str, Any] = {
         "forwards_per_run": round(forwards / reps, 1),
         "tokens_per_forward": round(c["generated_tokens"] / max(1, forwards), 2),
+        "rows_per_forward": round(c["forward_tokens"] / max(1, forwards), 1),
     }
     if c["spec_decodes"]:
         out |= {

@@ -54,11 +54,12 @@ def test_the_runners_work_on_a_tiny_model(tiny_llama_dir: Path) -> None:
 
 
 def test_spec_stats_from_counters() -> None:
-    c = bs.Counter(num_forwards=10, generated_tokens=30, spec_decodes=8, spec_drafts=4,
-                   spec_draft_tokens=12, spec_accepted_tokens=6)  # fmt: skip
+    c = bs.Counter(num_forwards=10, forward_tokens=45, generated_tokens=30, spec_decodes=8,
+                   spec_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=6)  # fmt: skip
     s = bs.spec_stats(c, reps=2)
     assert s == {
-        "forwards_per_run": 5.0, "tokens_per_forward": 3.0, "acceptance": 0.5,
+        "forwards_per_run": 5.0, "tokens_per_forward": 3.0, "rows_per_forward": 4.5,
+        "acceptance": 0.5,
         "mean_accepted": 1.5, "drafted_per_run": 6.0, "accepted_per_run": 3.0,
         "draft_step_share": 0.5, "tokens_per_verify": 2.5,
     }  # fmt: skip

@@ -107,6 +107,7 @@ class Scheduler:
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.num_forwards = 0  # model forward passes (steps whose forward ran)
+        self.total_forward_tokens = 0  # their rows (tokens computed, verified drafts included)
         self.num_spec_decodes = 0  # decoding items scheduled while drafting is on (may draft)
         self.num_drafts = 0  # speculative drafts scheduled (items verifying a draft)
         self.num_draft_tokens = 0  # speculative draft tokens scheduled for verification
@@ -442,6 +443,7 @@ class Scheduler:
     def _record_stats(self, batch: ScheduledBatch, out: StepOutput) -> None:
         self.num_forwards += 1
         num_tokens = batch.num_tokens
+        self.total_forward_tokens += num_tokens
         if self.drafter is not None:
             self.drafter.cost.record(num_tokens, out.forward_seconds + out.sample_seconds)
         n_prefill = sum(i.num_tokens for i in batch.items if i.num_tokens > 1)

@@ -46,13 +46,16 @@ class StepCost:
     """Measured seconds of a step (forward + sampling) by its row count, the input of
     `plan_draft_lengths`. Each row count (rounded up to a multiple of `coarse` past `exact`
     rows) keeps a moving average, forgotten after `max_age` steps without a new measurement.
-    `cost(rows)` interpolates linearly between the measured counts and is non-decreasing; below
-    the smallest and above the largest it is flat: optimistic where nothing was measured, so
-    drafts get tried there and the step that verifies them measures it (and forgetting stale
-    counts tries them again once in a while). None until a step has been measured."""
+    `cost(rows)` interpolates linearly between the measured counts after an isotonic fit (more
+    rows never cost less: adjacent averages that fall are pooled, weighted by their number of
+    measurements, so one slow step raises its neighbours a little rather than every larger
+    count); below the smallest and above the largest measured count it is flat: optimistic
+    where nothing was measured, so drafts get tried there and the step that verifies them
+    measures it (and forgetting stale counts tries them again once in a while). None until a
+    step has been measured."""
 
     def __init__(
-        self, rate: float = 0.25, exact: int = 64, coarse: int = 16, max_age: int = 256
+        self, rate: float = 0.25, exact: int = 16, coarse: int = 8, max_age: int = 256
     ) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"rate must lie in (0, 1], got {rate}")
@@ -60,7 +63,8 @@ class StepCost:
         self.exact = exact
         self.coarse = coarse
         self.max_age = max_age
-        self._seconds: dict[int, tuple[float, int]] = {}  # row key -> (average, step measured)
+        # row key -> (moving average, measurements (capped at 1 / rate), step last measured)
+        self._seconds: dict[int, tuple[float, float, int]] = {}
         self._step = 0
         self._points: list[tuple[int, float]] = []  # sorted, non-decreasing; rebuilt per record
 
@@ -76,15 +80,14 @@ class StepCost:
         self._step += 1
         k = self._key(rows)
         prev = self._seconds.get(k)
-        avg = seconds if prev is None else prev[0] + self.rate * (seconds - prev[0])
-        self._seconds[k] = (avg, self._step)
+        if prev is None:
+            self._seconds[k] = (seconds, 1.0, self._step)
+        else:
+            avg = prev[0] + self.rate * (seconds - prev[0])
+            self._seconds[k] = (avg, min(prev[1] + 1, 1 / self.rate), self._step)
         old = self._step - self.max_age
-        self._seconds = {r: v for r, v in self._seconds.items() if v[1] > old}
-        pts, top = [], 0.0
-        for r in sorted(self._seconds):
-            top = max(top, self._seconds[r][0])  # noise must not make more rows cheaper
-            pts.append((r, top))
-        self._points = pts
+        self._seconds = {r: v for r, v in self._seconds.items() if v[2] > old}
+        self._points = _isotonic([(r, v[0], v[1]) for r, v in sorted(self._seconds.items())])
 
     def measured(self, rows: int) -> bool:
         return self._key(rows) in self._seconds
@@ -106,6 +109,21 @@ class StepCost:
                 hi = mid
         (r0, c0), (r1, c1) = pts[lo], pts[hi]
         return c0 + (c1 - c0) * (rows - r0) / (r1 - r0)
+
+
+def _isotonic(points: list[tuple[int, float, float]]) -> list[tuple[int, float]]:
+    """The non-decreasing fit of `(x, y, weight)` points sorted by x (pool adjacent
+    violators): each run of points that would fall is replaced by its weighted mean."""
+    blocks: list[list[float]] = []  # [sum of weight * y, sum of weight, number of points]
+    for _, y, w in points:
+        blocks.append([w * y, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, w2, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w2
+            blocks[-1][2] += n
+    ys = [b[0] / b[1] for b in blocks for _ in range(int(b[2]))]
+    return [(x, y) for (x, _, _), y in zip(points, ys)]
 
 
 def expected_accepted(alpha: float, k: int) -> float:
