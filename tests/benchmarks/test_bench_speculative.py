@@ -64,3 +64,14 @@ def test_spec_stats_from_counters() -> None:
         "draft_step_share": 0.5, "tokens_per_verify": 2.5,
     }  # fmt: skip
     assert "acceptance" not in bs.spec_stats(bs.Counter(num_forwards=1, generated_tokens=1), 1)
+
+
+def test_step_costs_cover_every_batch_and_draft(tiny_llama_dir: Path) -> None:
+    with Engine(str(tiny_llama_dir), dtype="float32", page_size=4, num_pages=256) as engine:
+        costs = bs.step_costs(engine, [1, 2], context=8, reps=1)
+        assert [(c["batch"], c["draft"], c["rows"]) for c in costs] == [
+            (b, k, b * (k + 1)) for b in (1, 2) for k in (0, 1, 2, 4)
+        ]
+        assert all(c["ms"] > 0 for c in costs)
+        assert [c["vs_decode"] for c in costs if c["draft"] == 0] == [1.0, 1.0]
+        assert engine.stats().kv_pages_cached == 0
