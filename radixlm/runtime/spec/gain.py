@@ -45,7 +45,9 @@ class AcceptanceCounts:
 class StepCost:
     """Measured seconds of a step (forward + sampling) by its row count, the input of
     `plan_draft_lengths`. Each row count (rounded up to a multiple of `coarse` past `exact`
-    rows) keeps a moving average, forgotten after `max_age` steps without a new measurement.
+    rows) keeps a moving average of its steps' seconds (each clipped to twice the average: a
+    step the OS descheduled moves it a little, not 10x), forgotten after `max_age` steps
+    without a new measurement.
     `cost(rows)` interpolates linearly between the measured counts after an isotonic fit (more
     rows never cost less: adjacent averages that fall are pooled, weighted by their number of
     measurements, so one slow step raises its neighbours a little rather than every larger
@@ -82,8 +84,8 @@ class StepCost:
         prev = self._seconds.get(k)
         if prev is None:
             self._seconds[k] = (seconds, 1.0, self._step)
-        else:
-            avg = prev[0] + self.rate * (seconds - prev[0])
+        else:  # a descheduled step counts as at most twice the average
+            avg = prev[0] + self.rate * (min(seconds, 2 * prev[0]) - prev[0])
             self._seconds[k] = (avg, min(prev[1] + 1, 1 / self.rate), self._step)
         old = self._step - self.max_age
         self._seconds = {r: v for r, v in self._seconds.items() if v[2] > old}
