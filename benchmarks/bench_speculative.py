@@ -7,6 +7,7 @@ weights, self-speculation), and optionally vLLM's CPU build with its n-gram spec
         [--workloads extract,edit,quote,free,repeat,agent] [--agent-turns 4]
         [--draft-tokens 4] [--draft-model default] [--draft-quantization int4]
         [--disable-by-batch-size N] [--vllm [--vllm-modes vllm,vllm-ngram]]
+        [--step-cost [--step-cost-context 160] [--step-cost-reps 9]]
         [--out benchmarks/results/speculative.json]
 
 Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
@@ -24,13 +25,18 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
 The radix cache is flushed before every timed run (drafts come from the prompt, the run's own
 output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
 at once) and mode: output tok/s (generated tokens over wall time; the median of `--reps` runs
-after a warm-up), its ratio to `plain`, the acceptance rate (accepted / drafted tokens), the
-accepted tokens per forward, and how many outputs are token-identical to `plain`'s (greedy: all,
-up to bf16 rounding between a decode row and a verification row). `--vllm` adds `vllm-ngram`
+after a warm-up), its ratio to `plain`, the load-independent counts of the timed runs
+(`spec_stats`: forwards per run, tokens and rows per forward, acceptance rate, mean accepted
+length, drafted / accepted tokens, the share of decoding steps that drafted, tokens per
+verification), and how many outputs are token-identical to `plain`'s (greedy: all, up to bf16
+rounding between a decode row and a verification row). `--vllm` adds `vllm-ngram`
 (and `vllm` without drafts, for its own ratio): vLLM's CPU server
 (`benchmarks/peers/bench_peers.py` starts it) with `--speculative-config
 '{"method": "ngram", ...}'`, on the unconstrained prompt workloads (`edit`, `quote`, `free`),
-each request over `/v1/completions`. Prints the CPU and the load average; nothing here asserts.
+each request over `/v1/completions`. `--step-cost` first times a verification forward
+(B x (k + 1) rows) against a plain decode step (B rows) on the `plain` engine, alternating
+(`step_costs`).
+Prints the CPU and the load average; nothing here asserts.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -215,10 +222,15 @@ def agent_runner(eng: Engine, b: int, turns: int, tokens: int) -> Callable[[], l
     return go
 
 
-def measure(eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool) -> dict:
+def measure(
+    eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """The median tok/s of `reps` timed runs (after a warm-up), the counters summed over the
+    timed runs only (`spec_stats`), and the last run's outputs."""
     go()  # warm-up (oneDNN primitives for these shapes, grammar compiles)
-    before = eng.stats()
-    speeds, outs = [], []
+    speeds: list[float] = []
+    outs: list[list[int]] = []
+    totals: Counter[str] = Counter()
     for _ in range(reps):
         # NOTE: an empty radix cache each time: otherwise the tree holds the previous run's
         # output and drafts all of it (the repeated-program case, `repeat`).
@@ -226,20 +238,53 @@ def measure(eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: b
         eng.flush_cache()
         if repeat:
             go()  # the earlier run, untimed
-        start = eng.stats().generated_tokens
+            eng.wait_idle()
+        before = eng.stats()
         t = time.perf_counter()
         outs = go()
         wall = time.perf_counter() - t
-        speeds.append((eng.stats().generated_tokens - start) / wall)
-    after = eng.stats()
-    drafted = after.spec_draft_tokens - before.spec_draft_tokens
-    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
-    return {
-        "tok_s": round(statistics.median(speeds), 1),
-        "acceptance": round(accepted / drafted, 3) if drafted else None,
-        "accepted_per_step": round(accepted / max(1, after.num_forwards - before.num_forwards), 2),
-        "outs": outs,
+        eng.wait_idle()
+        after = eng.stats()
+        speeds.append((after.generated_tokens - before.generated_tokens) / wall)
+        for f in COUNTERS:
+            totals[f] += getattr(after, f) - getattr(before, f)
+    return {"tok_s": round(statistics.median(speeds), 1), **spec_stats(totals, reps)}, outs
+
+
+COUNTERS = (
+    "num_forwards",
+    "forward_tokens",
+    "generated_tokens",
+    "spec_decodes",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+)
+
+
+def spec_stats(c: Counter[str], reps: int) -> dict[str, Any]:
+    """The load-independent figures of the timed runs (`c`: `COUNTERS` summed over them):
+    forwards per run, output tokens and rows (tokens computed) per forward; for drafting
+    modes also the acceptance rate (accepted / drafted tokens), the mean accepted length per
+    verified draft, drafted and accepted tokens per run, the share of decoding steps that
+    verified a draft, and the tokens each verification emitted (accepted + 1)."""
+    drafts, drafted = c["spec_drafts"], c["spec_draft_tokens"]
+    accepted, forwards = c["spec_accepted_tokens"], c["num_forwards"]
+    out: dict[str, Any] = {
+        "forwards_per_run": round(forwards / reps, 1),
+        "tokens_per_forward": round(c["generated_tokens"] / max(1, forwards), 2),
+        "rows_per_forward": round(c["forward_tokens"] / max(1, forwards), 1),
     }
+    if c["spec_decodes"]:
+        out |= {
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "mean_accepted": round(accepted / drafts, 2) if drafts else None,
+            "drafted_per_run": round(drafted / reps, 1),
+            "accepted_per_run": round(accepted / reps, 1),
+            "draft_step_share": round(drafts / c["spec_decodes"], 3),
+            "tokens_per_verify": round(1 + accepted / drafts, 2) if drafts else None,
+        }
+    return out
 
 
 async def _vllm_batch(url: str, prompts: list[str], tokens: int) -> tuple[int, list[str]]:
@@ -290,6 +335,48 @@ def run_vllm(args: argparse.Namespace, tmpl: Engine, rows: list[dict[str, Any]])
                     print(json.dumps({"workload": name, "batch": b, mode: row[f"{mode}_tok_s"]}))
 
 
+def step_costs(eng: Engine, batches: list[int], context: int, reps: int) -> list[dict[str, Any]]:
+    """What verifying drafts costs: the model forward of B requests of `context` cached tokens
+    computing k + 1 rows each (k draft tokens, logits on every row, as a verification has),
+    k in 0 / 1 / 2 / 4 (0: a plain decode step), the cases alternating round by round in one
+    process, the median of `reps` rounds per case, and its ratio to k = 0 at the same B.
+    Writes garbage K/V into free pages: the cache is flushed before and after."""
+    from radixlm.kernels.forward_batch import ForwardBatch
+
+    runner = eng.runner
+    ps = runner.page_size
+    eng.wait_idle()
+    eng.flush_cache()
+    cases = [(b, k) for b in batches for k in (0, 1, 2, 4)]
+
+    def once(b: int, k: int) -> float:
+        pages = -(-(context + k + 1) // ps)
+        if b * pages > runner.num_pages:
+            raise SystemExit(f"--step-cost needs {b * pages} pages, the engine has fewer")
+        table = torch.arange(b * pages, dtype=torch.int32).view(b, pages)
+        rows = list(range(b * (k + 1)))
+        fb = ForwardBatch.from_parts(
+            [100] * len(rows), [context] * b, [k + 1] * b, table, rows, ps, runner.device
+        )
+        t = time.perf_counter()
+        runner.forward(fb)
+        return time.perf_counter() - t
+
+    for c in cases:  # warm-up: oneDNN primitives for each row count
+        once(*c)
+    times: dict[tuple[int, int], list[float]] = {c: [] for c in cases}
+    for _ in range(reps):
+        for c in cases:
+            times[c].append(once(*c))
+    eng.flush_cache()
+    med = {c: statistics.median(v) for c, v in times.items()}
+    return [
+        {"batch": b, "draft": k, "rows": b * (k + 1), "ms": round(1000 * med[(b, k)], 2),
+         "vs_decode": round(med[(b, k)] / med[(b, 0)], 2)}
+        for b, k in cases
+    ]  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from radixlm.runtime.models.loader import cache_dir
 
@@ -311,6 +398,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm", action="store_true", help="add vLLM's CPU server (--vllm-modes)")
     p.add_argument("--vllm-modes", default="vllm,vllm-ngram", help="vllm (no drafts), vllm-ngram")
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
+    p.add_argument(
+        "--step-cost",
+        action="store_true",
+        help="also time a verification forward (B x (k + 1) rows) against a decode step",
+    )
+    p.add_argument("--step-cost-context", type=int, default=160)
+    p.add_argument("--step-cost-reps", type=int, default=9)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/speculative.json"))
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -333,7 +427,14 @@ def main(argv: list[str] | None = None) -> None:
     print(cpu_description(), "| load average at start:", os.getloadavg())
     engines = make_engines(args)
     rows: list[dict[str, Any]] = []
+    costs: list[dict[str, Any]] = []
     try:
+        if args.step_cost:
+            costs = step_costs(
+                engines["plain"], args.batch_sizes, args.step_cost_context, args.step_cost_reps
+            )
+            for c in costs:
+                print(json.dumps({"step_cost": c}), flush=True)
         for name in args.workloads:
             for b in args.batch_sizes:
                 res: dict[str, Any] = {"workload": name, "batch": b}
@@ -344,11 +445,8 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
                         go = prompt_runner(eng, name, texts, b, args.tokens)
-                    m = measure(eng, go, args.reps, repeat=name == "repeat")
-                    outs[mode] = m.pop("outs")
-                    res |= {
-                        f"{mode}_{k}": v for k, v in m.items() if mode != "plain" or k == "tok_s"
-                    }
+                    m, outs[mode] = measure(eng, go, args.reps, repeat=name == "repeat")
+                    res |= {f"{mode}_{k}": v for k, v in m.items()}
                 for mode in engines:
                     if mode != "plain":
                         res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
@@ -362,7 +460,12 @@ def main(argv: list[str] | None = None) -> None:
         for eng in engines.values():
             eng.shutdown()
     print("load average at end:", os.getloadavg())
-    out = {"cpu": cpu_description(), "args": vars(args) | {"out": str(args.out)}, "rows": rows}
+    out = {
+        "cpu": cpu_description(),
+        "args": vars(args) | {"out": str(args.out)},
+        "rows": rows,
+        "step_cost": costs,
+    }
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
 
 

@@ -101,7 +101,7 @@ class SchedulerConfig:
     # "draft": a draft model (`EngineConfig.speculative_draft_model`) proposes them. None: off.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_ngram_min: int = 2
+    speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
     # No drafting in a step with this many running requests or more (vLLM's
     # `disable_by_batch_size`): at large batches the forward is compute-bound and verifying

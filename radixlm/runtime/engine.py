@@ -314,6 +314,8 @@ class Engine:
             spec_drafts=s.num_drafts,
             spec_draft_tokens=s.num_draft_tokens,
             spec_accepted_tokens=s.num_accepted_draft_tokens,
+            spec_decodes=s.num_spec_decodes,
+            forward_tokens=s.total_forward_tokens,
             verifier_events=g.verifier_events() if g else {},
             **tier_fields,
         )

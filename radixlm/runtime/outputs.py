@@ -117,6 +117,8 @@ class EngineStats:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_decodes: int = 0  # decoding steps of requests while drafting was on (with or without)
+    forward_tokens: int = 0  # rows of all forwards (prompt, decoded and verified draft tokens)
     # The second KV tier (`--enable-hierarchical-cache`; zeros when off): its pages and bytes,
     # the prompt tokens loaded from it instead of computed, the pages loaded and the seconds
     # spent loading, the pages written to it, those dropped as corrupt / foreign, failed writes.

@@ -43,8 +43,35 @@ def test_the_runners_work_on_a_tiny_model(tiny_llama_dir: Path) -> None:
         str(tiny_llama_dir), dtype="float32", page_size=4, num_pages=256,
         speculative_algorithm="ngram",
     ) as engine:  # fmt: skip
-        agent = bs.measure(engine, bs.agent_runner(engine, 2, 2, 6), reps=1, repeat=False)
-        assert len(agent["outs"]) == 2 and agent["tok_s"] > 0
+        agent, outs = bs.measure(engine, bs.agent_runner(engine, 2, 2, 6), reps=1, repeat=False)
+        assert len(outs) == 2 and agent["tok_s"] > 0
         go = bs.prompt_runner(engine, "extract", bs.EXTRACT, 2, 6)
-        extract = bs.measure(engine, go, reps=1, repeat=True)
-        assert len(extract["outs"]) == 2 and all(len(o) == 6 for o in extract["outs"])
+        extract, outs = bs.measure(engine, go, reps=2, repeat=True)
+        assert len(outs) == 2 and all(len(o) == 6 for o in outs)
+        # The counters cover the timed runs only: 2 x 2 requests of 6 tokens each.
+        assert extract["forwards_per_run"] * extract["tokens_per_forward"] == pytest.approx(12)
+        assert 0 <= extract["draft_step_share"] <= 1 and extract["drafted_per_run"] >= 0
+
+
+def test_spec_stats_from_counters() -> None:
+    c = bs.Counter(num_forwards=10, forward_tokens=45, generated_tokens=30, spec_decodes=8,
+                   spec_drafts=4, spec_draft_tokens=12, spec_accepted_tokens=6)  # fmt: skip
+    s = bs.spec_stats(c, reps=2)
+    assert s == {
+        "forwards_per_run": 5.0, "tokens_per_forward": 3.0, "rows_per_forward": 4.5,
+        "acceptance": 0.5,
+        "mean_accepted": 1.5, "drafted_per_run": 6.0, "accepted_per_run": 3.0,
+        "draft_step_share": 0.5, "tokens_per_verify": 2.5,
+    }  # fmt: skip
+    assert "acceptance" not in bs.spec_stats(bs.Counter(num_forwards=1, generated_tokens=1), 1)
+
+
+def test_step_costs_cover_every_batch_and_draft(tiny_llama_dir: Path) -> None:
+    with Engine(str(tiny_llama_dir), dtype="float32", page_size=4, num_pages=256) as engine:
+        costs = bs.step_costs(engine, [1, 2], context=8, reps=1)
+        assert [(c["batch"], c["draft"], c["rows"]) for c in costs] == [
+            (b, k, b * (k + 1)) for b in (1, 2) for k in (0, 1, 2, 4)
+        ]
+        assert all(c["ms"] > 0 for c in costs)
+        assert [c["vs_decode"] for c in costs if c["draft"] == 0] == [1.0, 1.0]
+        assert engine.stats().kv_pages_cached == 0

@@ -40,10 +40,11 @@ from radixlm.runtime.batch import (
     StepResult,
 )
 from radixlm.runtime.constrained import DEAD_END
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
-from radixlm.runtime.scheduler.drafter import Drafter, grammar_prefix
+from radixlm.runtime.scheduler.drafter import Drafter, Proposal, first_token_keys, grammar_prefix
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import create_policy
@@ -90,7 +91,12 @@ class Scheduler:
         self.forks = ForkPlanner(self.pages, appender.init_request)
         # The draft model proposes in the executor; the drafter then only adapts the length.
         self.drafter = (
-            Drafter(cache, config.speculative_ngram_min, config.speculative_ngram_max)
+            Drafter(
+                cache,
+                config.speculative_ngram_min,
+                config.speculative_ngram_max,
+                _first_token_keys(appender) if config.speculative_algorithm == "ngram" else None,
+            )
             if config.speculative_algorithm is not None
             else None
         )
@@ -101,6 +107,8 @@ class Scheduler:
         self.total_computed_prompt_tokens = 0
         self.total_generated_tokens = 0
         self.num_forwards = 0  # model forward passes (steps whose forward ran)
+        self.total_forward_tokens = 0  # their rows (tokens computed, verified drafts included)
+        self.num_spec_decodes = 0  # decoding items scheduled while drafting is on (may draft)
         self.num_drafts = 0  # speculative drafts scheduled (items verifying a draft)
         self.num_draft_tokens = 0  # speculative draft tokens scheduled for verification
         self.num_accepted_draft_tokens = 0  # ... and accepted
@@ -157,6 +165,7 @@ class Scheduler:
         used = 0  # tokens scheduled so far
         chunk_cap = cfg.chunked_prefill_size or math.inf
         self._poll_grammars()
+        drafts = self._plan_drafts(chunk_cap)
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
@@ -165,7 +174,7 @@ class Scheduler:
                 continue
             retractions = self.num_retractions
             try:
-                draft, reserve = self._draft(req, cfg.max_batched_tokens - used - n)
+                draft, reserve = self._draft(req, cfg.max_batched_tokens - used - n, drafts)
                 total = req.num_computed_tokens + n + len(draft) + reserve
                 ok = self._ensure_pages(req, total, items)
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
@@ -202,30 +211,68 @@ class Scheduler:
         batch.failed, self._failed = self._failed, []
         return batch
 
-    def _draft(self, req: Request, budget: int) -> tuple[list[int], int]:
-        """Speculative decoding: draft tokens to verify after a decoding request's last token
-        (cut where its grammar refuses; none past `max_new_tokens` / the context length); with
-        a draft model, none yet but the number it may propose (pages are reserved for them)."""
-        if self.drafter is None or req.num_uncomputed != 1 or req.num_output_tokens == 0:
-            return [], 0
-        if len(self.running) >= self.config.speculative_disable_by_batch_size:
-            return [], 0
-        limit = min(
-            self.drafter.draft_length(req, self.config.speculative_num_draft_tokens),
-            budget,
+    def _may_draft(self, req: Request) -> bool:
+        return (
+            self.drafter is not None
+            and req.num_uncomputed == 1
+            and req.num_output_tokens > 0
+            and len(self.running) < self.config.speculative_disable_by_batch_size
+        )
+
+    def _draft_limit(self, req: Request, most: int) -> int:
+        """The most draft tokens `req` may verify: none past `max_new_tokens` or the context."""
+        return min(
+            most,
             req.params.max_new_tokens - req.num_output_tokens - 1,
             self.max_model_len - req.num_tokens - 1,
         )
-        if limit <= 0:
+
+    def _plan_drafts(self, chunk_cap: float) -> dict[int, list[int]]:
+        """`ngram`: each decoding request's proposal (cut where its grammar refuses), sized by
+        the drafter's expected-gain model for this step's rows; by `id(request)`."""
+        if self.drafter is None or self.config.speculative_algorithm != "ngram":
+            return {}
+        cfg = self.config
+        proposals: list[tuple[Request, Proposal]] = []
+        base_rows = base_tokens = 0
+        step = self.appender.grammar
+        jump_forward = step is not None and step.manager.jump_forward_enabled
+        for req in self.running:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            base_rows += int(min(req.num_uncomputed, chunk_cap))
+            if req.num_uncomputed == 1:
+                base_tokens += 1
+            if not self._may_draft(req):
+                continue
+            self.num_spec_decodes += 1
+            limit = self._draft_limit(req, cfg.speculative_num_draft_tokens)
+            p = self.drafter.propose(req, limit) if limit > 0 else None
+            if p is not None and req.grammar is not None:
+                p = Proposal(grammar_prefix(req.grammar, p.tokens, jump_forward), p.source)
+            if p is not None and p.tokens:
+                proposals.append((req, p))
+        if not proposals:
+            return {}
+        base_rows = min(base_rows, cfg.max_batched_tokens)
+        lengths = self.drafter.plan(proposals, base_rows, base_tokens)
+        return {id(r): p.tokens[:k] for (r, p), k in zip(proposals, lengths) if k}
+
+    def _draft(
+        self, req: Request, budget: int, drafts: dict[int, list[int]]
+    ) -> tuple[list[int], int]:
+        """Speculative decoding: draft tokens to verify after a decoding request's last token
+        (`ngram`: planned by `_plan_drafts`, cut to `budget`); with a draft model, none yet but
+        the number it may propose (pages are reserved for them)."""
+        if not self._may_draft(req):
             return [], 0
         if self.config.speculative_algorithm == "draft":
-            return [], limit
-        draft = self.drafter.propose(req, limit)
-        if draft and req.grammar is not None:
-            step = self.appender.grammar
-            jump_forward = step is not None and step.manager.jump_forward_enabled
-            draft = grammar_prefix(req.grammar, draft, jump_forward)
-        return draft, 0
+            assert self.drafter is not None
+            self.num_spec_decodes += 1
+            most = self.drafter.draft_length(req, self.config.speculative_num_draft_tokens)
+            limit = min(self._draft_limit(req, most), budget)
+            return [], max(0, limit)
+        return drafts.get(id(req), [])[: max(0, budget)], 0
 
     def _poll_grammars(self) -> None:
         """Give each waiting request whose grammar compiled its matcher; fail (only) those
@@ -396,6 +443,9 @@ class Scheduler:
     def _record_stats(self, batch: ScheduledBatch, out: StepOutput) -> None:
         self.num_forwards += 1
         num_tokens = batch.num_tokens
+        self.total_forward_tokens += num_tokens
+        if self.drafter is not None:
+            self.drafter.cost.record(num_tokens, out.forward_seconds + out.sample_seconds)
         n_prefill = sum(i.num_tokens for i in batch.items if i.num_tokens > 1)
         self.last_step = StepStats(
             num_tokens=num_tokens,
@@ -476,3 +526,13 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity(self.running, list(self.waiting))
+
+
+def _first_token_keys(appender: TokenAppender) -> dict[int, int] | None:
+    """The drafter's leading-space-free n-gram keys, from the tokenizer's bytes (None without
+    a tokenizer)."""
+    tok = appender.tokenizer
+    if tok is None or not appender.eos_token_ids:
+        return None
+    vocab = TokenVocab.from_tokenizer(tok, len(tok), appender.eos_token_ids)
+    return first_token_keys(vocab.token_bytes)

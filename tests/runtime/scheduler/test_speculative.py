@@ -20,21 +20,84 @@ from radixlm.runtime.executor import Executor
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler, TokenAppender
-from radixlm.runtime.scheduler.drafter import Drafter
+from radixlm.runtime.scheduler.drafter import Drafter, Proposal, first_token_keys
+from radixlm.runtime.spec.gain import StepCost
+
+
+class FormulaCost(StepCost):
+    """A step cost by formula: the fake runner's step times mean nothing."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.f = f
+
+    def record(self, rows: int, seconds: float) -> None:
+        pass
+
+    def cost(self, rows: int) -> float:
+        return self.f(rows)
 
 
 def test_the_drafter_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
     d = Drafter(None, ngram_min=1, ngram_max=3)
     r = Request("a", [5, 6, 7, 8, 9, 5, 6, 7], SamplingParams())
-    assert d.propose(r, 3) == [8, 9, 5]  # "5 6 7" occurred at 0..2
+    assert d.propose(r, 3) == Proposal([8, 9, 5], "ngram3")  # "5 6 7" occurred at 0..2
     r.token_ids += [1, 2]  # "7 1 2": only the 1-gram "2" could match, and it did not occur
-    assert d.propose(r, 3) == []
-    r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes, latest earlier end: position 7
-    assert d.propose(r, 2) == [1, 2]
-    assert Drafter(None, 2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) == []
+    assert d.propose(r, 3) is None
+    r.token_ids += [6, 7]  # "2 6 7" no; "6 7" yes (went on with 8, then 1): latest, at 7
+    assert d.propose(r, 2) == Proposal([1, 2], "ngram2~")
+    assert Drafter(None, 2, 2).propose(Request("b", [3, 3], SamplingParams()), 4) is None
 
 
-def make(speculative: bool, num_pages: int = 64, **cfg) -> Scheduler:
+def test_a_copied_span_matches_without_its_leading_space():
+    """JSON extraction: the prompt says ' New York City.' (tokens 10 11 12 13); the output
+    writes '":"' (20) then 'New' (30, the space-less twin of 10). Keyed without the leading
+    space, the 1-gram 'New' finds ' New' and drafts ' York City .'; a 2-gram match still wins
+    over it, and without the keys nothing matches."""
+    prompt = [1, 2, 10, 11, 12, 13, 3]
+    vocab = [None] * 31
+    vocab[10:14], vocab[20], vocab[30] = [b" New", b" York", b" City", b"."], b'":"', b"New"
+    keys = first_token_keys(vocab)
+    assert keys == {10: 30}
+    r = Request("x", [*prompt, 20, 30], SamplingParams())
+    assert Drafter(None, 1, 3, keys).propose(r, 4) == Proposal([11, 12, 13, 3], "ngram1")
+    assert Drafter(None, 1, 3).propose(Request("y", [*prompt, 20, 30], SamplingParams()), 4) is None
+    # Only the first token of an n-gram drops its space: ' York' never matches 'York'.
+    r2 = Request("z", [*prompt, 20, 30, 11], SamplingParams())
+    assert Drafter(None, 1, 3, {10: 30, 11: 31}).propose(r2, 2) == Proposal([12, 13], "ngram2")
+
+
+def test_the_radix_tree_drafts_first():
+    pool = BlockPool(8, 4)
+    cache = RadixCache(pool)
+    seq = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    cache.insert(seq, pool.alloc(3))
+    d = Drafter(cache, 1, 3)
+    assert d.propose(Request("a", seq[:6], SamplingParams()), 3) == Proposal([7, 8, 9], "tree")
+    # Not held by the tree: prompt lookup ("1 2 3" -> 4).
+    assert d.propose(Request("b", [5, 1, 2, 3, 7, 1, 2, 3], SamplingParams()), 1) == Proposal(
+        [7], "ngram3"
+    )
+
+
+def test_acceptance_is_learned_per_request_and_source():
+    d = Drafter(None, 1, 3)
+    a, b = Request("a", [1, 2, 1, 2, 1], SamplingParams()), Request("b", [9], SamplingParams())
+    assert d.alpha(a, "ngram1") == 0.5  # nothing verified: the prior
+    assert d.propose(a, 4).source == "ngram3"
+    for _ in range(5):
+        d.record(a, 4, 4)  # "ngram3" drafts of `a` all stand
+    assert d.alpha(a, "ngram3") > 0.9
+    assert 0.5 < d.alpha(b, "ngram3") < d.alpha(a, "ngram3")  # the global prior moved too
+    assert d.alpha(a, "ngram1") == 0.5  # another source: untouched
+    c = Request("c", [4, 5, 6, 4], SamplingParams())
+    assert d.propose(c, 2).source == "ngram1"
+    for _ in range(5):
+        d.record(c, 2, 0)  # ... never stands
+    assert d.alpha(c, "ngram1") < 0.2 and d.alpha(a, "ngram1") < 0.5
+
+
+def make(speculative: bool, num_pages: int = 64, cost=lambda rows: 1.0, **cfg) -> Scheduler:
     runner = FakeRunner(num_pages, 4)
     pool = BlockPool(num_pages, 4)
     if speculative:
@@ -44,6 +107,8 @@ def make(speculative: bool, num_pages: int = 64, **cfg) -> Scheduler:
         pool, RadixCache(pool), config, TokenAppender(None, [EOS], 4096), 4096,
         debug_integrity=True,
     )  # fmt: skip
+    if s.drafter is not None:
+        s.drafter.cost = FormulaCost(cost)
     return attach_core(s, runner)
 
 
@@ -156,7 +221,7 @@ def test_a_repeated_request_drafts_its_earlier_run_from_the_radix_tree():
 def test_draft_length_adapts_and_large_batches_do_not_draft(periodic):
     d = Drafter(None, 1, 3)
     r = Request("a", [1, 2, 3, 1, 2], SamplingParams())
-    assert d.propose(r, 4) == [3, 1, 2] and d.draft_length(r, 4) == 4
+    assert d.propose(r, 4) == Proposal([3, 1, 2], "ngram2") and d.draft_length(r, 4) == 4
     d.record(r, 4, 0)
     d.record(r, 4, 0)
     assert d.draft_length(r, 4) == 1  # nothing accepted lately: one token
@@ -207,3 +272,39 @@ def test_n_branches_and_aborts_with_drafting(periodic):
     assert s.pool.num_held == 0
     for r in (reqs[0], reqs[3]):
         assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 30)
+
+
+def test_drafts_are_sized_by_the_step_cost(periodic):
+    """A forward flat up to 8 rows and linear past them: alone, a request's drafts ride free
+    and are verified; while 8 run every draft row would cost a full token's share of the step,
+    so none is (once fewer run, the rows left free are drafted). Outputs are the reference."""
+
+    def knee(rows: int) -> float:
+        return max(8.0, float(rows))
+
+    one = make(True, cost=knee)
+    a = requests(1, n=1)
+    run(one, a)
+    assert one.num_accepted_draft_tokens > 0
+    eight = make(True, cost=knee)
+    b = requests(1, n=8)
+    for r in b:
+        eight.add_request(r)
+    drafted_at: dict[int, int] = {}  # running requests -> draft tokens verified
+    while eight.has_work():
+        n, before = len(eight.running), eight.num_draft_tokens
+        eight.step()
+        drafted_at[n] = drafted_at.get(n, 0) + eight.num_draft_tokens - before
+    assert drafted_at[8] == 0 and eight.num_draft_tokens > 0
+    for r in a + b:
+        assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 24)
+
+
+def test_an_ngram_that_went_on_differently_is_its_own_source():
+    """'k :' went on with 5, then with 6: a match of ':' drafts the latest (6 ...) but as the
+    ambiguous 1-gram source, whose acceptance is learned apart from the unambiguous one."""
+    d = Drafter(None, 1, 3)
+    r = Request("a", [1, 9, 5, 2, 9, 6, 3, 9], SamplingParams())
+    assert d.propose(r, 2) == Proposal([6, 3], "ngram1~")
+    r2 = Request("b", [1, 9, 5, 2, 7, 9], SamplingParams())
+    assert d.propose(r2, 2) == Proposal([5, 2], "ngram1")
