@@ -222,10 +222,6 @@ class EngineConfig:
             )
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and self.cache.hicache_enabled:
-            # NOTE: every rank would keep its own shard of a page (`rank<r>/` in the store);
-            # moving pages on the worker ranks is not built yet.
-            raise ConfigError("the hierarchical cache does not support tp_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
