@@ -222,12 +222,22 @@ class HiCache:
     def has_next(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> bool:
         """Whether the tier holds the page of ``tokens`` right after ``start`` (page-aligned)
         tokens: O(start / page_size) hashes, no read."""
+        return self.peek_len(tokens[: start + self.page_size], namespace, start) > 0
+
+    def peek_len(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> int:
+        """Tokens in the tier's consecutive whole pages of ``tokens`` after the first ``start``
+        (page-aligned: the pool's match): index look-ups only, no read, nothing touched."""
         ps = self.page_size
         if len(tokens) - start < ps or self.store.stats().pages == 0:
-            return False
-        keys = page_keys(tokens[: start + ps], ps, namespace)
-        *_, key = keys
-        return self.store.contains(key)
+            return 0
+        n = 0
+        for i, key in enumerate(page_keys(tokens, ps, namespace)):
+            if i * ps < start:
+                continue
+            if not self.store.contains(key):
+                break
+            n += ps
+        return n
 
     def fetch(
         self, tokens: Sequence[int], namespace: Hashable | None, start: int

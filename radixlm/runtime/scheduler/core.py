@@ -84,7 +84,7 @@ class Scheduler:
         self.debug_integrity = debug_integrity
         self.hicache = hicache
         self.pages = PageManager(pool, cache, hicache)
-        self.policy = create_policy(config.schedule_policy, config, cache, clock)
+        self.policy = create_policy(config.schedule_policy, config, cache, clock, hicache)
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)
         self.forks = ForkPlanner(self.pages, appender.init_request)
