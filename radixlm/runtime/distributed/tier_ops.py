@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,9 +32,6 @@ import torch.distributed as dist
 from radixlm.radix import TierShard
 from radixlm.radix.tier import KEY_BYTES
 from radixlm.runtime.hicache_io import TierSpec, open_tier_shard
-
-if TYPE_CHECKING:
-    from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +68,18 @@ def unpack_pages_keys(t: torch.Tensor, n: int) -> tuple[list[int], list[bytes]]:
     return t[:n].tolist(), unpack_keys(t[n:], n)
 
 
+class OpSender(Protocol):
+    """Rank 0's side of the step broadcast (``TensorParallelRunner.send_op``)."""
+
+    def send_op(
+        self, op: int, n: int, payload: torch.Tensor | None, reply: int | None = None
+    ) -> int: ...
+
+
 class BroadcastTierFollowers:
     """Rank 0's ``TierFollowers``: every call is one op replayed on ranks 1..N-1."""
 
-    def __init__(self, runner: TensorParallelRunner, spec: TierSpec) -> None:
+    def __init__(self, runner: OpSender, spec: TierSpec) -> None:
         self.runner = runner
         data = spec.to_json()
         runner.send_op(OP_TIER_OPEN, len(data), pack_bytes(data))
