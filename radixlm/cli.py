@@ -64,6 +64,8 @@ _HELP = {
     "max_running_requests": "most requests decoding at once",
     "max_batched_tokens": "token budget of one forward (prefill chunks + decodes)",
     "chunked_prefill_size": "largest prefill chunk per request (0: no chunking)",
+    "max_prefill_tokens": "prefill tokens of one forward in all, shortest remaining prompt "
+    "first (default: only --max-batched-tokens bounds them)",
     "schedule_policy": "lpm | fcfs",
     "aging_tokens_per_second": "LPM aging: waited seconds worth this many matched tokens",
     "max_model_len": "context length cap (default: the model's)",

@@ -115,6 +115,40 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_with_decodes():
     assert_all_released(s)
 
 
+def test_max_prefill_tokens_bounds_a_steps_prefill_and_keeps_outputs_exact():
+    rng = random.Random(5)
+    s = make(chunked_prefill_size=8, max_batched_tokens=48, max_prefill_tokens=12)
+    reqs = [req(f"r{i}", prompt(rng, rng.randint(2, 40)), rng.randint(1, 8)) for i in range(12)]
+    for r in reqs:
+        s.add_request(r)
+    run(s)
+    for b in s.runner.batches:
+        assert sum(n for n in b.extend_lens_cpu if n > 1) <= 12
+    assert max(sum(n for n in b.extend_lens_cpu if n > 1) for b in s.runner.batches) == 12
+    for r in reqs:
+        assert r.output_token_ids == reference_continuation(
+            r.prompt_token_ids, len(r.output_token_ids)
+        )
+    assert_all_released(s)
+
+
+@pytest.mark.parametrize("cap", [None, 12])
+def test_max_prefill_tokens_serves_the_shortest_remaining_prefill_first(cap):
+    rng = random.Random(6)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=cap)
+    long, short = req("long", prompt(rng, 30), 2), req("short", prompt(rng, 10), 2)
+    s.add_request(long)
+    s.add_request(short)
+    s.step()
+    assert s.runner.batches[0].extend_lens_cpu == ([8, 4] if cap else [8, 8])
+    s.step()
+    # with the cap, the short prompt (6 left) goes first and gets its first token now
+    assert s.runner.batches[1].extend_lens_cpu == ([6, 6] if cap else [8, 2])
+    assert short.num_output_tokens == 1
+    run(s)
+    assert_all_released(s)
+
+
 def test_no_chunking_runs_a_long_prompt_whole_when_alone():
     rng = random.Random(3)
     s = make(chunked_prefill_size=None, max_batched_tokens=16)

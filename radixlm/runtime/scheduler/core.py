@@ -156,11 +156,14 @@ class Scheduler:
         items: list[ScheduledItem] = []
         used = 0  # tokens scheduled so far
         chunk_cap = cfg.chunked_prefill_size or math.inf
+        prefill_left = cfg.max_prefill_tokens or math.inf  # the step's prefill tokens left
         self._poll_grammars()
-        for req in list(self.running):
+        for req in self._running_order():
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
             n = int(min(req.num_uncomputed, chunk_cap, cfg.max_batched_tokens - used))
+            if n > 1:  # a prefill chunk
+                n = int(min(n, prefill_left))
             if n <= 0:
                 continue
             retractions = self.num_retractions
@@ -176,9 +179,13 @@ class Scheduler:
             if self.num_retractions != retractions:
                 # a retraction dropped an item
                 used = sum(i.num_tokens + i.draft_limit for i in items)
+                prefill = sum(i.num_tokens for i in items if not i.draft and i.num_tokens > 1)
+                prefill_left = (cfg.max_prefill_tokens or math.inf) - prefill
             elif ok:
                 used += n + len(draft) + reserve
-        self._admit(items, used)
+                if n > 1:
+                    prefill_left -= n
+        self._admit(items, used, prefill_left)
         if self._scheduling_error is not None:
             message, self._scheduling_error = self._scheduling_error, None
             try:
@@ -236,8 +243,17 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._failed += self._finish(req, "error", error=failed.message, code=failed.code)
 
-    def _admit(self, items: list[ScheduledItem], used: int) -> None:
-        """Admit waiting requests in policy order while a slot, budget and pages last."""
+    def _running_order(self) -> list[Request]:
+        """The order running requests take the step's budget in: as they run, or with
+        `max_prefill_tokens` decodes first, then prefills shortest remaining first (the one
+        closest to its first token is not held back by longer chunks)."""
+        if self.config.max_prefill_tokens is None:
+            return list(self.running)
+        return sorted(self.running, key=lambda r: r.num_uncomputed)
+
+    def _admit(self, items: list[ScheduledItem], used: int, prefill_left: float) -> None:
+        """Admit waiting requests in policy order while a slot, budget (the step's tokens and
+        prefill tokens) and pages last."""
         cfg = self.config
         if self.pages.tier_loads is not None:
             self.pages.tier_loads.retain(self.waiting)
@@ -245,6 +261,7 @@ class Scheduler:
             not self.waiting
             or len(self.running) >= cfg.max_running_requests
             or used >= cfg.max_batched_tokens
+            or prefill_left <= 0
         ):
             return  # nothing can be admitted: skip the policy's ordering (prefix lookups)
         inflight = self.admission.inflight_prefixes(self.running)
@@ -254,7 +271,7 @@ class Scheduler:
                 continue  # failed by a scheduling error earlier in this loop
             if len(self.running) >= cfg.max_running_requests:
                 break
-            budget = cfg.max_batched_tokens - used
+            budget = int(min(cfg.max_batched_tokens - used, prefill_left))
             if budget <= 0:
                 break
             try:
@@ -272,6 +289,7 @@ class Scheduler:
             if got.outcome is Outcome.ADMITTED:
                 removed.add(id(req))
                 used += got.num_tokens
+                prefill_left -= got.num_tokens
                 if got.first:
                     self.total_prompt_tokens += req.num_prompt_tokens
         if removed:
