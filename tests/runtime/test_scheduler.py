@@ -149,6 +149,41 @@ def test_max_prefill_tokens_serves_the_shortest_remaining_prefill_first(cap):
     assert_all_released(s)
 
 
+@pytest.mark.parametrize("cap", [None, 12])
+def test_a_prompt_finishing_this_step_goes_before_a_running_long_one(cap):
+    """A returning turn (short remaining prompt) arriving while a long prompt is prefilled."""
+    rng = random.Random(7)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=cap)
+    long, short = req("long", prompt(rng, 40), 2), req("short", prompt(rng, 6), 2)
+    s.add_request(long)
+    s.step()
+    s.add_request(short)
+    s.step()
+    # capped: the short prompt is computed whole now, the long one gets what is left
+    assert s.runner.batches[1].extend_lens_cpu == ([6, 6] if cap else [8, 6])
+    assert short.num_output_tokens == 1
+    run(s)
+    assert long.output_token_ids == reference_continuation(long.prompt_token_ids, 2)
+    assert_all_released(s)
+
+
+def test_a_stream_of_short_prompts_does_not_starve_a_running_long_one():
+    rng = random.Random(8)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=8)
+    long = req("long", prompt(rng, 64), 1)
+    s.add_request(long)
+    s.step()
+    for i in range(20):
+        s.add_request(req(f"s{i}", prompt(rng, 8), 1))  # each fills a whole step
+        s.step()
+        if long.is_finished:
+            break
+    # the long prompt gets the budget at least every other step: 56 tokens in <= 14 steps
+    assert long.is_finished and i <= 14
+    run(s)
+    assert_all_released(s)
+
+
 def test_no_chunking_runs_a_long_prompt_whole_when_alone():
     rng = random.Random(3)
     s = make(chunked_prefill_size=None, max_batched_tokens=16)

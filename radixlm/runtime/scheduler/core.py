@@ -106,6 +106,7 @@ class Scheduler:
         self.num_accepted_draft_tokens = 0  # ... and accepted
         self._failed: list[Request] = []  # finished with an error during this `schedule()`
         self._scheduling_error: str | None = None  # set by `_unschedulable` within a schedule
+        self._long_deferred = False  # a running prompt got no tokens in the last step
 
     @property
     def num_retractions(self) -> int:
@@ -158,13 +159,21 @@ class Scheduler:
         chunk_cap = cfg.chunked_prefill_size or math.inf
         prefill_left = cfg.max_prefill_tokens or math.inf  # the step's prefill tokens left
         self._poll_grammars()
+        # With `max_prefill_tokens`: waiting requests whose prompt would finish within this step
+        # go before the running prompts that will not (not two steps in a row: those progress).
+        finishing_first = cfg.max_prefill_tokens is not None and not self._long_deferred
+        self._long_deferred = False
         for req in self._running_order():
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
+            if finishing_first and 1 < req.num_uncomputed > min(chunk_cap, prefill_left):
+                finishing_first = False
+                used, prefill_left = self._admit(items, used, prefill_left, finishing=True)
             n = int(min(req.num_uncomputed, chunk_cap, cfg.max_batched_tokens - used))
             if n > 1:  # a prefill chunk
                 n = int(min(n, prefill_left))
             if n <= 0:
+                self._long_deferred |= req.num_uncomputed > 1
                 continue
             retractions = self.num_retractions
             try:
@@ -251,9 +260,12 @@ class Scheduler:
             return list(self.running)
         return sorted(self.running, key=lambda r: r.num_uncomputed)
 
-    def _admit(self, items: list[ScheduledItem], used: int, prefill_left: float) -> None:
+    def _admit(
+        self, items: list[ScheduledItem], used: int, prefill_left: float, finishing: bool = False
+    ) -> tuple[int, float]:
         """Admit waiting requests in policy order while a slot, budget (the step's tokens and
-        prefill tokens) and pages last."""
+        prefill tokens) and pages last; with `finishing`, only those whose prompt is computed
+        within this step. Returns the step's tokens used and prefill tokens left."""
         cfg = self.config
         if self.pages.tier_loads is not None:
             self.pages.tier_loads.retain(self.waiting)
@@ -263,7 +275,7 @@ class Scheduler:
             or used >= cfg.max_batched_tokens
             or prefill_left <= 0
         ):
-            return  # nothing can be admitted: skip the policy's ordering (prefix lookups)
+            return used, prefill_left  # nothing can be admitted: skip the policy's ordering
         inflight = self.admission.inflight_prefixes(self.running)
         removed: set[int] = set()
         for req in self.admission.order(self.waiting):
@@ -275,7 +287,9 @@ class Scheduler:
             if budget <= 0:
                 break
             try:
-                got = self.admission.try_admit(req, self.running, items, budget, inflight)
+                got = self.admission.try_admit(
+                    req, self.running, items, budget, inflight, finishing
+                )
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the others'
                 self._unschedulable(req, items, exc)
                 removed.add(id(req))
@@ -294,6 +308,7 @@ class Scheduler:
                     self.total_prompt_tokens += req.num_prompt_tokens
         if removed:
             self.waiting = deque(r for r in self.waiting if id(r) not in removed)
+        return used, prefill_left
 
     def _ensure_pages(self, req: Request, total_tokens: int, items: list[ScheduledItem]) -> bool:
         """Give a running request pages for `total_tokens`; evict, then retract, when short."""
