@@ -7,7 +7,9 @@ build with prefix caching, on one generated trace; then a warm restart.
         [--systems radixlm-tier,radixlm-tier-wt,radixlm,vllm]
         [--conversations 48] [--turns 4] [--system-prompts 4] [--system-tokens 1024]
         [--turn-tokens 300] [--output-tokens 64] [--concurrency 4] [--pool-fraction 0.1]
-        [--hicache-size 4] [--threads 2] [--out benchmarks/results/hicache.json]
+        [--hicache-size 4] [--threads 2] [--max-prefill-tokens 512] [--no-returning-case]
+        [--returning-tokens 2048] [--returning-new-tokens 32] [--returning-reps 3]
+        [--out benchmarks/results/hicache.json]
 
 The trace has the shape of Mooncake's conversation traces: `--conversations` users over a few
 shared system prompts; each turn sends the whole conversation so far (system prompt, earlier
@@ -24,6 +26,19 @@ user's next turn waits for the previous one.
 bytes) and the file store's write / read+verify bandwidth in GB/s for a KV layout
 (`--layout smollm2` or `llama3-8b`, `--device cpu` or `cuda`: the host-memory tier under a CUDA
 pool) over `--codec-tokens` tokens (a returning conversation).
+
+`--returning-case` (on by default; `--no-returning-case` skips it) is the issue's 10x target at
+concurrency 1: one radixlm server with the file tier and a pool just larger than one
+conversation; per repetition a `--returning-tokens` (2048) conversation is computed, a filler
+prompt pushes it out of the pool (to the tier), the user returns with a `--returning-new-tokens`
+(32) message and its TTFT is taken (history loaded from the tier); then `/flush_cache` (both
+tiers) and the same prompt again: the TTFT of recomputing it. Tier and recomputation alternate
+in the same server, `--returning-reps` times; medians and their ratio are reported.
+
+radixlm runs with `--max-prefill-tokens 512` by default here (`0`: its engine default): a step's
+prefill tokens are bounded and go to the shortest remaining prompt first, so a returning turn
+whose history came from the tier is not computed beside the others' prefill chunks
+(`benchmarks/hicache_breakdown.py` shows where a returning turn's TTFT goes, step by step).
 
 Reported per system: TTFT p50 / p99 of returning turns (turn >= 1) and of first turns, output
 tok/s over the whole trace, and the share of returning-turn prompt tokens reported cached. For
@@ -122,6 +137,15 @@ def working_set_tokens(trace: list[Turn]) -> int:
     return sum(last.values())
 
 
+def pool_pages(args: argparse.Namespace, trace: list[Turn]) -> int:
+    """The pool: `--pool-fraction` of the working set, and at least the concurrent requests."""
+    longest = max(len(t.prompt) for t in trace) + args.output_tokens
+    return max(
+        math.ceil(args.pool_fraction * working_set_tokens(trace) / PAGE),
+        args.concurrency * math.ceil(longest / PAGE),
+    )
+
+
 async def run_trace(url: str, trace: list[Turn], args: argparse.Namespace) -> tuple[
     list[tuple[Turn, RequestResult]], float
 ]:  # fmt: skip
@@ -189,6 +213,8 @@ def spec_for(system: str, args: argparse.Namespace, port: int, num_pages: int, s
     ServerSpec
 ):  # fmt: skip
     pool = ["--num-pages", str(num_pages), "--page-size", str(PAGE)]
+    if args.max_prefill_tokens:
+        pool += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     if system == "radixlm":
         return radixlm_spec(port, args.model_dir, args.threads, pool)
     if system.startswith("radixlm-tier"):
@@ -232,6 +258,60 @@ def run_system(
         return res
     finally:
         shutil.rmtree(store, ignore_errors=True)
+
+
+@dataclass
+class ReturningCase:
+    """The concurrency-1 returning conversation: tier load vs recomputation, same server."""
+
+    history_tokens: int
+    new_tokens: int
+    tier_ttft: list[float]
+    recompute_ttft: list[float]
+    tier_cached_tokens: list[int]
+    recompute_cached_tokens: list[int]
+    tier_ttft_p50: float = 0.0
+    recompute_ttft_p50: float = 0.0
+    ratio: float = 0.0  # tier / recompute (the target: <= 0.1)
+
+
+def returning_case(args: argparse.Namespace, logs: Path) -> ReturningCase:
+    rng = random.Random(args.seed + 2)
+    history, new = args.returning_tokens, args.returning_new_tokens
+    conv_pages = math.ceil((history + new + args.output_tokens) / PAGE)
+    num_pages = conv_pages + 8
+    filler_tokens = (num_pages - 1) * PAGE  # needs every page: the conversation is evicted
+    quick = argparse.Namespace(**{**vars(args), "output_tokens": 8})
+    res = ReturningCase(history, new, [], [], [], [])
+    store = Path(tempfile.mkdtemp(prefix="bench-hicache-returning-"))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
+
+    try:
+        port = _free_port()
+        spec = spec_for("radixlm-tier", args, port, num_pages, store)
+        with running_server(spec, port, logs / "radixlm-tier-returning.log") as url:
+            for _ in range(args.returning_reps):
+                conv = tokens(history)
+                asyncio.run(one(url, conv, quick))  # the conversation so far, computed
+                asyncio.run(one(url, tokens(filler_tokens), quick))  # pushes it to the tier
+                time.sleep(1.0)  # let the tier's writer finish: the load reads the files
+                prompt = conv + tokens(new)
+                r = asyncio.run(one(url, prompt, quick))
+                res.tier_ttft.append(r.ttft)
+                res.tier_cached_tokens.append(r.cached_tokens)
+                httpx.post(f"{url}/flush_cache", timeout=60)  # both tiers
+                r = asyncio.run(one(url, prompt, quick))
+                res.recompute_ttft.append(r.ttft)
+                res.recompute_cached_tokens.append(r.cached_tokens)
+                httpx.post(f"{url}/flush_cache", timeout=60)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    res.tier_ttft_p50 = percentile(res.tier_ttft, 50)
+    res.recompute_ttft_p50 = percentile(res.recompute_ttft, 50)
+    res.ratio = res.tier_ttft_p50 / res.recompute_ttft_p50 if res.recompute_ttft_p50 else 0.0
+    return res
 
 
 def table(results: list[SystemResult]) -> str:
@@ -306,29 +386,43 @@ def bench_codec(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def parse_args() -> argparse.Namespace:
-    from radixlm.runtime.models.loader import cache_dir
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--systems", default="radixlm-tier,radixlm", help=f"comma list of {SYSTEMS}")
-    p.add_argument("--model-dir", type=Path, default=None, help="default: the default model")
-    p.add_argument("--conversations", type=int, default=48)
-    p.add_argument("--turns", type=int, default=4)
+def add_trace_args(p: argparse.ArgumentParser, conversations: int, turns: int) -> None:
+    """The trace's shape (`make_trace`) and the pool's share of its working set."""
+    p.add_argument("--conversations", type=int, default=conversations)
+    p.add_argument("--turns", type=int, default=turns)
     p.add_argument("--system-prompts", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--turn-tokens", type=int, default=300)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--pool-fraction", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args() -> argparse.Namespace:
+    from radixlm.runtime.models.loader import cache_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default="radixlm-tier,radixlm", help=f"comma list of {SYSTEMS}")
+    p.add_argument("--model-dir", type=Path, default=None, help="default: the default model")
+    add_trace_args(p, conversations=48, turns=4)
     p.add_argument("--hicache-size", type=float, default=4.0, help="GB")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--codec-only", action="store_true", help="the tier's data path only")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="smollm2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--codec-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=512,
+        help="radixlm's --max-prefill-tokens (the step's prefill tokens, shortest remaining "
+        "first; 0: radixlm's default, unbounded but by --max-batched-tokens)",
+    )  # fmt: skip
+    p.add_argument("--returning-case", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--returning-tokens", type=int, default=2048)
+    p.add_argument("--returning-new-tokens", type=int, default=32)
+    p.add_argument("--returning-reps", type=int, default=3)
     return p.parse_args()
 
 
@@ -355,11 +449,7 @@ def main() -> None:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     trace = make_trace(args, random.Random(args.seed))
     ws = working_set_tokens(trace)
-    longest = max(len(t.prompt) for t in trace) + args.output_tokens
-    # the pool holds --pool-fraction of the working set, and at least the concurrent requests
-    num_pages = max(
-        math.ceil(args.pool_fraction * ws / PAGE), args.concurrency * math.ceil(longest / PAGE)
-    )
+    num_pages = pool_pages(args, trace)
     print(f"cpu: {cpu_description()}")
     print(f"load average before: {_loadavg()}")
     print(
@@ -369,6 +459,16 @@ def main() -> None:
         flush=True,
     )
     logs = cache_dir() / "peers" / "logs"
+    returning = None
+    if args.returning_case:
+        returning = returning_case(args, logs)
+        print(
+            f"returning conversation at concurrency 1 ({returning.history_tokens} tokens + "
+            f"{returning.new_tokens} new): TTFT p50 {returning.tier_ttft_p50:.3f} s from the "
+            f"tier vs {returning.recompute_ttft_p50:.3f} s recomputed ({returning.ratio:.2f}x; "
+            f"cached {returning.tier_cached_tokens} vs {returning.recompute_cached_tokens})",
+            flush=True,
+        )
     results = []
     for system in systems:
         res = run_system(system, args, trace, num_pages, logs)
@@ -393,7 +493,8 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()},
                    "num_pages": num_pages, "working_set_tokens": ws,
-                   "results": [asdict(r) for r in results]}  # fmt: skip
+                   "results": [asdict(r) for r in results],
+                   "returning_case": asdict(returning) if returning else None}  # fmt: skip
         args.out.write_text(json.dumps(payload, indent=1))
 
 

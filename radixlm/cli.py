@@ -64,6 +64,8 @@ _HELP = {
     "max_running_requests": "most requests decoding at once",
     "max_batched_tokens": "token budget of one forward (prefill chunks + decodes)",
     "chunked_prefill_size": "largest prefill chunk per request (0: no chunking)",
+    "max_prefill_tokens": "prefill tokens of one forward in all, shortest remaining prompt "
+    "first (0 or unset: only --max-batched-tokens bounds them)",
     "schedule_policy": "lpm | fcfs",
     "aging_tokens_per_second": "LPM aging: waited seconds worth this many matched tokens",
     "max_model_len": "context length cap (default: the model's)",
@@ -121,8 +123,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = {f.name for cls in (EngineConfig, CacheConfig, SchedulerConfig) for f in fields(cls)}
     kw = {k: v for k, v in vars(args).items() if k in names and k not in ("cache", "scheduler")}
-    if kw.get("chunked_prefill_size") == 0:
-        kw["chunked_prefill_size"] = None
+    for name in ("chunked_prefill_size", "max_prefill_tokens"):
+        if kw.get(name) == 0:
+            kw[name] = None
     return kw
 
 

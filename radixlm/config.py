@@ -89,6 +89,11 @@ class SchedulerConfig:
     max_running_requests: int = 64
     max_batched_tokens: int = 2048
     chunked_prefill_size: int | None = 512
+    # The prefill tokens of one step in all (SGLang's `--max-prefill-tokens`), shared by the
+    # requests' chunks shortest remaining prompt first: a short prefill (a returning turn whose
+    # history came from the cache) is not computed beside others' long chunks. None: only
+    # `max_batched_tokens` bounds them (each request's chunk up to `chunked_prefill_size`).
+    max_prefill_tokens: int | None = None
     schedule_policy: str = "lpm"
     # LPM aging: every second waited counts as this many matched prefix tokens, so no request
     # starves behind a stream of better-matching ones.
@@ -115,6 +120,8 @@ class SchedulerConfig:
             raise ConfigError("max_batched_tokens must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ConfigError("chunked_prefill_size must be >= 1 or None")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ConfigError("max_prefill_tokens must be >= 1 or None")
         if self.aging_tokens_per_second < 0:
             raise ConfigError("aging_tokens_per_second must be >= 0")
         if isinstance(self.speculative_algorithm, str):  # SGLang spells it NGRAM
@@ -222,10 +229,6 @@ class EngineConfig:
             )
         if self.tp_size < 1:
             raise ConfigError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.tp_size > 1 and self.cache.hicache_enabled:
-            # NOTE: every rank would keep its own shard of a page (`rank<r>/` in the store);
-            # moving pages on the worker ranks is not built yet.
-            raise ConfigError("the hierarchical cache does not support tp_size > 1 yet")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixlm.radix.block_pool import BlockPool, OutOfPagesError
-from radixlm.radix.hicache import HiCache, HiCacheStats, PageIO
+from radixlm.radix.hicache import HiCache, HiCacheStats, PageIO, TierFollowers, TierShard
 from radixlm.radix.radix_cache import CacheStats, MatchResult, RadixCache, TreeNode
 from radixlm.radix.swa_pool import HybridBlockPool
 from radixlm.radix.tier import FileTierStore, HostTierStore, TierStore, open_file_store
@@ -20,6 +20,8 @@ __all__ = [
     "OutOfPagesError",
     "PageIO",
     "RadixCache",
+    "TierFollowers",
+    "TierShard",
     "TierStore",
     "TreeNode",
     "open_file_store",

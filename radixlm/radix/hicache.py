@@ -12,6 +12,13 @@
   short), writes the payloads in and hands the pages to the caller, who holds one ref on each
   and inserts them into the tree like computed pages.
 
+With tensor parallel, every rank holds its own shard of each page (its KV heads) in its own
+store under the same key. Rank 0's ``HiCache`` is the one owner of the tier's state: its store's
+index decides what is stored, loaded and dropped, and the other ranks (``TierFollowers``) do the
+same to their shards in the same order. A page is served only when every rank loaded its shard
+(one missing or corrupt shard: the page is released, its key dropped everywhere, the tokens are
+recomputed); keys rank 0's store forgets are dropped on the followers with the next operation.
+
 Invariants: only pages that were in the tree enter the tier, so only whole, computed (verified)
 pages do; a tier page is found only under the key of its whole prefix; a payload that fails
 verification is never written into the pool (the store drops it, the page is recomputed);
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -38,6 +46,75 @@ class PageIO(Protocol):
     def read_pages(self, pages: Sequence[int]) -> list[bytes]: ...
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None: ...
+
+
+class TierFollowers(Protocol):
+    """The other tensor-parallel ranks' shards of the tier (``TierShard`` on each rank), told
+    what to do by rank 0's ``HiCache``: the same keys and pool pages on every rank."""
+
+    def store(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
+        """Store each rank's shard of ``pages`` under ``keys`` (the pages are still intact)."""
+        ...
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Write each rank's shard stored under ``keys`` into ``pages``; returns how many
+        leading pages every rank wrote (a page past it is not whole on every rank)."""
+        ...
+
+    def drop(self, keys: Sequence[bytes]) -> None: ...
+
+    def retain(self, keys: Sequence[bytes]) -> None:
+        """Drop every stored key not in ``keys`` (rank 0's index after a warm restart)."""
+        ...
+
+    def clear(self) -> None: ...
+
+
+class TierShard:
+    """One rank's shard of the tier: its own store and page codec, no policy of its own (it
+    does what rank 0 decided). Implements ``TierFollowers`` for itself."""
+
+    def __init__(self, store: TierStore, io: PageIO) -> None:
+        self.tier_store = store
+        self.io = io
+        self._io_failed_logged = False
+
+    def store(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bytes]:
+        """Store this rank's shard of ``pages``; returns the keys stored (none when reading
+        the pages failed: logged once, eviction goes on)."""
+        try:
+            payloads = self.io.read_pages(pages)
+        except Exception:  # noqa: BLE001 - the tier is an optimization: never fail eviction
+            if not self._io_failed_logged:
+                self._io_failed_logged = True
+                logger.exception("hicache: reading pages for the tier failed (logged once)")
+            return []
+        puts = [(k, self.tier_store.put(k, p)) for k, p in zip(keys, payloads, strict=True)]
+        return [k for k, ok in puts if ok]
+
+    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
+        payloads: list[bytes] = []
+        for key in keys:
+            payload = self.tier_store.get(key)
+            if payload is None:
+                break
+            payloads.append(payload)
+        self.io.write_pages(pages[: len(payloads)], payloads)
+        return len(payloads)
+
+    def drop(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.tier_store.drop(key)
+
+    def retain(self, keys: Sequence[bytes]) -> None:
+        keep = set(keys)
+        self.drop([k for k in self.tier_store.keys() if k not in keep])
+
+    def clear(self) -> None:
+        self.tier_store.clear()
+
+    def close(self) -> None:
+        self.tier_store.close()
 
 
 @dataclass(frozen=True)
@@ -65,6 +142,7 @@ class HiCache:
         io: PageIO,
         storage: str = "host",
         write_through: bool = False,
+        followers: TierFollowers | None = None,
     ) -> None:
         self.cache = cache
         self.write_through = write_through
@@ -79,7 +157,12 @@ class HiCache:
         self._load_seconds = 0.0  # written by the loop thread (``load``)
         self._fetch_seconds = 0.0  # written by the fetching thread (``fetch``)
         self._stored_pages = 0
-        self._io_failed_logged = False
+        self.shard = TierShard(store, io)  # this rank's (rank 0's) shard
+        self.followers = followers
+        self._forgotten: deque[bytes] = deque()  # keys to drop on the followers
+        if followers is not None:
+            store.on_forget = self._forgotten.append
+            followers.retain(store.keys())
         cache.evict_listener = self.on_evict
 
     # ---- down: eviction --------------------------------------------------------------------------
@@ -117,29 +200,44 @@ class HiCache:
         pairs = [(k, p) for k, p in pairs if not self.store.contains(k)]
         if not pairs:
             return 0
-        try:
-            payloads = self.io.read_pages([p for _, p in pairs])
-        except Exception:  # noqa: BLE001 - the tier is an optimization: never fail eviction
-            if not self._io_failed_logged:
-                self._io_failed_logged = True
-                logger.exception("hicache: reading pages for the tier failed (logged once)")
-            return 0
-        stored = 0
-        for (key, _), payload in zip(pairs, payloads, strict=True):
-            stored += self.store.put(key, payload)
+        stored = len(self.shard.store([k for k, _ in pairs], [p for _, p in pairs]))
         self._stored_pages += stored
+        if self.followers is not None and stored:
+            # still indexed (a later put of this batch may have evicted an earlier one)
+            kept = [(k, p) for k, p in pairs if self.store.contains(k)]
+            self._drop_forgotten()
+            self.followers.store([k for k, _ in kept], [p for _, p in kept])
         return stored
+
+    def _drop_forgotten(self) -> None:
+        """Tell the followers which keys rank 0's store forgot since the last call."""
+        if self.followers is None or not self._forgotten:
+            return
+        keys = []
+        while self._forgotten:
+            keys.append(self._forgotten.popleft())
+        self.followers.drop(keys)
 
     # ---- up: load on a match ---------------------------------------------------------------------
     def has_next(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> bool:
         """Whether the tier holds the page of ``tokens`` right after ``start`` (page-aligned)
         tokens: O(start / page_size) hashes, no read."""
+        return self.peek_len(tokens[: start + self.page_size], namespace, start) > 0
+
+    def peek_len(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> int:
+        """Tokens in the tier's consecutive whole pages of ``tokens`` after the first ``start``
+        (page-aligned: the pool's match): index look-ups only, no read, nothing touched."""
         ps = self.page_size
         if len(tokens) - start < ps or self.store.stats().pages == 0:
-            return False
-        keys = page_keys(tokens[: start + ps], ps, namespace)
-        *_, key = keys
-        return self.store.contains(key)
+            return 0
+        n = 0
+        for i, key in enumerate(page_keys(tokens, ps, namespace)):
+            if i * ps < start:
+                continue
+            if not self.store.contains(key):
+                break
+            n += ps
+        return n
 
     def fetch(
         self, tokens: Sequence[int], namespace: Hashable | None, start: int
@@ -180,6 +278,7 @@ class HiCache:
         if len(tokens) - start < ps or (self.store.stats().pages == 0 and not prefetched):
             return []
         t0 = time.perf_counter()
+        keys: list[bytes] = []
         payloads: list[bytes] = []
         limit = self.pool.num_pages - self.pool.num_held - reserve  # free or evictable, at most
         for i, key in enumerate(page_keys(tokens, ps, namespace)):
@@ -194,6 +293,7 @@ class HiCache:
                 payload = self.store.get(key)
             if payload is None:
                 break
+            keys.append(key)
             payloads.append(payload)
         if not payloads:
             return []
@@ -204,18 +304,40 @@ class HiCache:
         pages = self.pool.alloc(n)
         try:
             self.io.write_pages(pages, payloads[:n])
+            pages = self._load_followers(keys[:n], pages)
         except Exception:
             self.pool.decref(pages)
             raise
+        n = len(pages)
         self._hit_tokens += n * ps
         self._loaded_pages += n
         self._load_seconds += time.perf_counter() - t0
         return pages
 
+    def _load_followers(self, keys: list[bytes], pages: list[int]) -> list[int]:
+        """The leading ``pages`` every follower wrote its shard into (all of them without
+        followers); the rest are released and the first key no rank could serve is dropped."""
+        if self.followers is None or not pages:
+            return pages
+        self._drop_forgotten()
+        ok = self.followers.load(keys, pages)
+        if ok < len(pages):
+            logger.warning(
+                "hicache: a tensor-parallel rank lacks its shard of %d tier pages; "
+                "recomputing them", len(pages) - ok,
+            )  # fmt: skip
+            self.pool.decref(pages[ok:])
+            self.store.drop(keys[ok])
+            self._drop_forgotten()
+        return pages[:ok]
+
     # ---- control ---------------------------------------------------------------------------------
     def clear(self) -> None:
-        """Drop every tier page (``/flush_cache``)."""
+        """Drop every tier page (``/flush_cache``), on every rank."""
         self.store.clear()
+        if self.followers is not None:
+            self._forgotten.clear()
+            self.followers.clear()
 
     def close(self) -> None:
         """Finish pending tier writes."""

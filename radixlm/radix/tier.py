@@ -32,7 +32,7 @@ import threading
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +102,9 @@ class TierStore:
         self._used = 0
         self._dropped = 0
         self._write_errors = 0
+        # Called with each key the store forgets (LRU, drop, failed verification or write),
+        # under the store's lock, from whichever thread forgot it: record, never block.
+        self.on_forget: Callable[[bytes], None] | None = None
 
     # ---- the interface -------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -182,6 +185,8 @@ class TierStore:
     def _forget(self, key: bytes) -> None:
         self._used -= self._index.pop(key)
         self._discard(key)
+        if self.on_forget is not None:
+            self.on_forget(key)
 
     def _store(self, key: bytes, payload: bytes) -> None:
         raise NotImplementedError
@@ -330,6 +335,8 @@ class FileTierStore(TierStore):
                 self._write_errors += 1
                 if current:
                     self._used -= self._index.pop(key)
+                    if self.on_forget is not None:
+                        self.on_forget(key)
                 if not self._write_failed_logged:
                     self._write_failed_logged = True
                     logger.error(
@@ -426,11 +433,12 @@ def open_file_store(
     rank: int = 0,
     fsync: bool = True,
 ) -> FileTierStore:
-    """The file store of this identity under ``storage_dir``: ``<digest>/rank<r>/`` beside a
-    ``<digest>/manifest.json`` naming the identity in words. Stores of other identities (another
-    model, dtype, page size, KV layout or tokenizer) in the same directory are left alone and
-    named in one log line; a manifest that does not match its digest is rewritten and its pages
-    dropped."""
+    """Tensor-parallel rank ``rank``'s file store of this identity under ``storage_dir``:
+    ``<digest>/rank<r>/`` beside a ``<digest>/manifest.json`` naming the identity in words
+    (the identity is every rank's; each rank's files also carry its rank). Stores of other
+    identities (another model, dtype, page size, KV layout or tokenizer) in the same directory
+    are left alone and named in one log line; a manifest that does not match its digest is
+    rewritten and its pages dropped."""
     import json
 
     root = Path(storage_dir)
@@ -455,4 +463,6 @@ def open_file_store(
         tmp = mine / f".{MANIFEST}.tmp"
         tmp.write_text(text)
         os.replace(tmp, manifest)
-    return FileTierStore(store_dir, capacity_bytes, digest, fsync=fsync)
+    # a rank's files name their rank: another rank's shard copied here is never served
+    file_identity = identity_digest({**identity, "rank": rank})
+    return FileTierStore(store_dir, capacity_bytes, file_identity, fsync=fsync)

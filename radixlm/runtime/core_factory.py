@@ -70,7 +70,7 @@ class EngineParts:
             self.runner.bind_swa_map(self.pool.swa_map)
         self.cache = RadixCache(self.pool, enabled=cfg.cache.enable_prefix_caching)
         self.hicache = make_hicache(
-            cfg.cache, self.cache, self.runner.kv_cache, self.model_dir, self.tokenizer
+            cfg.cache, self.cache, self.runner, self.model_dir, self.tokenizer
         )
         eos = set(self.model_info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -9,8 +9,11 @@ another identity is never read.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,14 @@ import torch
 
 from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import KVCache
-from radixlm.radix import HiCache, HostTierStore, RadixCache, open_file_store
+from radixlm.radix import (
+    HiCache,
+    HostTierStore,
+    RadixCache,
+    TierShard,
+    TierStore,
+    open_file_store,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +99,17 @@ def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
     return out
 
 
+def tokenizer_id(tokenizer: Any) -> str:
+    """The tokenizer's part of the identity (class, vocabulary size)."""
+    return f"{type(tokenizer).__name__}:{len(tokenizer)}"
+
+
 def kv_identity(
-    model_dir: Path, kv: KVCache, tokenizer: Any, rank: int = 0, tp_size: int = 1
+    model_dir: Path, kv: KVCache, tokenizer: str, tp_size: int = 1
 ) -> dict[str, object]:
     """What tier pages are valid for: the model files (path, names, sizes, mtimes), the cache
-    dtype, page size, KV layout, the tokenizer (class, vocabulary size) and the TP shard."""
+    dtype, page size, KV layout (this rank's shard of it), the tokenizer (``tokenizer_id``) and
+    the tensor-parallel size; the same on every rank."""
     buf = kv.k_buffers[0]
     directory = model_dir if model_dir.is_dir() else model_dir.parent
     return {
@@ -105,36 +121,64 @@ def kv_identity(
         "num_kv_heads": int(buf.shape[1]),
         "head_dim": int(buf.shape[2]),
         "kv_layout": kv.layout,
-        "tokenizer": f"{type(tokenizer).__name__}:{len(tokenizer)}",
-        "tp": f"{rank}/{tp_size}",
+        "tokenizer": tokenizer,
+        "tp_size": tp_size,
     }
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """Where and how big each rank's tier is (crosses to the tensor-parallel ranks as JSON)."""
+
+    storage_dir: str | None  # None: host memory
+    capacity_bytes: int
+    tokenizer: str  # ``tokenizer_id``: the worker ranks load no tokenizer
+    tp_size: int = 1
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> TierSpec:
+        return cls(**json.loads(data))
+
+
+def open_tier_shard(spec: TierSpec, kv: KVCache, model_dir: Path, rank: int = 0) -> TierShard:
+    """Rank ``rank``'s shard of the tier: a host store, or its file store under the storage
+    dir (``<identity>/rank<r>/``, re-indexed: a warm restart finds this rank's shards)."""
+    if spec.storage_dir is None:
+        store: TierStore = HostTierStore(spec.capacity_bytes)
+    else:
+        identity = kv_identity(model_dir, kv, spec.tokenizer, spec.tp_size)
+        store = open_file_store(spec.storage_dir, identity, spec.capacity_bytes, rank=rank)
+    return TierShard(store, KVPageIO(kv))
 
 
 def make_hicache(
     config: CacheConfig,
     cache: RadixCache,
-    kv: KVCache,
+    runner: Any,
     model_dir: Path,
     tokenizer: Any,
 ) -> HiCache | None:
-    """The second tier, or None when it is off (``EngineConfig`` refuses it with tensor
-    parallel)."""
+    """The second tier, or None when it is off. With tensor parallel (``runner.tp_size > 1``)
+    the other ranks open their shards (``runner.open_tier``) and follow rank 0's."""
     if not config.hicache_enabled:
         if config.enable_hierarchical_cache or config.hicache_storage_dir is not None:
             logger.warning("hicache: the second KV tier needs the prefix cache; it stays off")
         return None
-    io = KVPageIO(kv)
-    capacity = int(config.hicache_size * GB)
-    if config.hicache_storage_dir is None:
-        store = HostTierStore(capacity)
-        where = "host"
-    else:
-        identity = kv_identity(model_dir, kv, tokenizer)
-        store = open_file_store(config.hicache_storage_dir, identity, capacity, rank=0)
-        where = str(store.directory)
+    tp_size = int(getattr(runner, "tp_size", 1))
+    spec = TierSpec(
+        config.hicache_storage_dir, int(config.hicache_size * GB), tokenizer_id(tokenizer), tp_size
+    )
+    shard = open_tier_shard(spec, runner.kv_cache, model_dir)
+    store, io = shard.tier_store, shard.io
+    where = "host" if spec.storage_dir is None else str(getattr(store, "directory", ""))
+    followers = runner.open_tier(spec) if tp_size > 1 else None
     logger.info(
-        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB), %s",
-        where, config.hicache_size, capacity // io.page_bytes, io.page_bytes / 1024,
-        config.hicache_write_policy,
+        "hicache: second KV tier in %s, %.2f GB (%d pages of %.1f KB per rank, %d ranks), %s",
+        where, config.hicache_size, spec.capacity_bytes // io.page_bytes, io.page_bytes / 1024,
+        tp_size, config.hicache_write_policy,
     )  # fmt: skip
-    return HiCache(cache, store, io, where, config.hicache_write_policy == "write_through")
+    write_through = config.hicache_write_policy == "write_through"
+    return HiCache(cache, store, io, where, write_through, followers)

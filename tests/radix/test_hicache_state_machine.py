@@ -21,7 +21,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixlm.radix import BlockPool, FileTierStore, HiCache, HostTierStore, RadixCache
+from radixlm.radix import BlockPool, FileTierStore, HiCache, HostTierStore, RadixCache, TierShard
 from radixlm.radix.tier import identity_digest, page_keys
 
 NAMESPACES = [None, "lora-a"]
@@ -60,9 +60,16 @@ class HiCacheMachine(RuleBasedStateMachine):
         tier_pages=st.integers(1, 12),
         storage=st.sampled_from(["host", "file"]),
         write_through=st.booleans(),
+        follower=st.booleans(),
     )
     def setup(
-        self, page_size: int, num_pages: int, tier_pages: int, storage: str, write_through: bool
+        self,
+        page_size: int,
+        num_pages: int,
+        tier_pages: int,
+        storage: str,
+        write_through: bool,
+        follower: bool,
     ) -> None:
         self.ps = page_size
         self.pool = BlockPool(num_pages, page_size)
@@ -71,12 +78,19 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.capacity = tier_pages * 16  # a page's contents: a 16-byte key
         self.dir = tempfile.mkdtemp(prefix="hicache-sm-") if storage == "file" else None
         self.write_through = write_through
-        self.hicache = HiCache(self.cache, self._new_store(), self.io, "", write_through)
+        # rank 1: its shard of a page computed for a prefix holds b"1" + that prefix's key
+        self.io1 = FakeIO(num_pages)
+        self.shard1 = TierShard(HostTierStore(self.capacity * 4), self.io1) if follower else None
+        self.hicache = self._new_hicache()
         self.reqs: list[Req] = []
         self.known: set[bytes] = set()  # keys of every page ever computed
         self.corrupted: set[bytes] = set()  # keys whose file a rule damaged
         # background reads (``fetch``) not taken yet, possibly stale by the time they are
         self.prefetched: dict[tuple[Hashable | None, tuple[int, ...]], dict[bytes, bytes]] = {}
+
+    def _new_hicache(self) -> HiCache:
+        store = self._new_store()
+        return HiCache(self.cache, store, self.io, self.dir or "", self.write_through, self.shard1)
 
     def _new_store(self) -> HostTierStore | FileTierStore:
         if self.dir is None:
@@ -105,6 +119,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             event("pages loaded from the tier")
         for i, p in enumerate(loaded, start=len(m.pages)):
             assert self.io.contents[p] == keys[i], "the tier loaded the wrong contents"
+            if self.shard1 is not None:
+                assert self.io1.contents[p] == b"1" + keys[i], "rank 1 loaded the wrong shard"
         need = -(-len(tokens) // self.ps) - len(pages)
         if need > self.pool.num_free:
             self.cache.evict(need - self.pool.num_free)
@@ -115,6 +131,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         fresh = self.pool.alloc(need)
         for i, p in enumerate(fresh, start=len(pages)):
             self.io.contents[p] = keys[i] if i < len(keys) else b"partial"
+            self.io1.contents[p] = b"1" + keys[i] if i < len(keys) else b"partial"
         pages += fresh
         self.known.update(keys)
         return Req(ns, tokens, pages)
@@ -180,6 +197,16 @@ class HiCacheMachine(RuleBasedStateMachine):
         if keys:
             self.hicache.store.drop(data.draw(st.sampled_from(keys)))
 
+    @precondition(lambda self: self.shard1 is not None)
+    @rule(data=st.data())
+    def lose_follower_shard(self, data: st.DataObject) -> None:
+        """Rank 1 lacks its shard of a page rank 0 holds: that page is never served."""
+        assert self.shard1 is not None
+        keys = self.shard1.tier_store.keys()
+        if keys:
+            self.shard1.tier_store.drop(data.draw(st.sampled_from(keys)))
+            event("a follower lost a shard")
+
     @precondition(lambda self: not self.reqs)
     @rule()
     def flush(self) -> None:
@@ -188,6 +215,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         event("flushed")
         assert self.pool.num_free == self.pool.num_pages
         assert self.hicache.stats().pages == 0
+        assert self.shard1 is None or not self.shard1.tier_store.keys()
 
     @rule()
     def write_back_all(self) -> None:
@@ -199,11 +227,11 @@ class HiCacheMachine(RuleBasedStateMachine):
         """A new store over the same directory (a restarted server) under the same tree."""
         self.hicache.close()
         before = set(self.hicache.store.keys())
-        self.hicache = HiCache(
-            self.cache, self._new_store(), self.io, self.dir or "", self.write_through
-        )
+        self.hicache = self._new_hicache()
         after = set(self.hicache.store.keys())
         assert before - self.corrupted <= after <= before  # a damaged header is dropped
+        if self.shard1 is not None:  # the follower keeps only what rank 0's index holds
+            assert set(self.shard1.tier_store.keys()) <= after
         self.corrupted &= after
 
     @precondition(lambda self: self.dir is not None)
@@ -239,6 +267,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             for prefix, page in self.cache.page_map(ns).items():
                 key = list(page_keys(prefix, self.ps, ns))[-1]
                 assert self.io.contents[page] == key, "a tree page holds another prefix's K/V"
+                if self.shard1 is not None:
+                    assert self.io1.contents[page] == b"1" + key, "rank 1's shard is wrong"
         assert set(self.hicache.store.keys()) <= self.known, "the tier invented a page"
 
 

@@ -13,7 +13,6 @@ import pytest
 from radixlm import Engine, SamplingParams
 from radixlm.radix import HiCache
 from radixlm.radix import tier as tier_mod
-from radixlm.runtime.errors import ConfigError
 
 PS = 4
 # top-5 logprobs too: a random model's greedy tokens alone can hide a wrong K/V page
@@ -185,11 +184,6 @@ def test_full_disk_keeps_serving_and_logs_once(
     assert len(failures) == 1
 
 
-def test_tensor_parallel_is_refused(tiny_llama_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="tp_size"):
-        Engine(str(tiny_llama_dir), tp_size=2, enable_hierarchical_cache=True)
-
-
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_write_through_survives_a_crash(
     tiny_llama_dir: Path,
@@ -210,4 +204,48 @@ def test_write_through_survives_a_crash(
         out, cached = _run(eng, prompt)
         assert _same(out, reference[0])
         assert cached == (36 if policy == "write_through" else 0)
+        _assert_no_leak(eng)
+
+
+TP2 = {"tp_size": 2, "num_threads": 1}
+
+
+def test_tensor_parallel_tier_matches_recomputation(
+    tiny_llama_dir: Path, tmp_path: Path, reference: list[Out]
+) -> None:
+    """TP=2: each rank stores and loads its own shard of every page (rank 0 decides)."""
+    store = tmp_path / "tier"
+    with _engine(tiny_llama_dir, hicache_storage_dir=str(store), **TP2) as eng:
+        prompts = _prompts()
+        for p, ref in zip(prompts, reference, strict=True):
+            assert _same(_run(eng, p)[0], ref)
+        assert eng.stats().hicache_stored_pages > 0
+        out, cached = _run(eng, prompts[0])  # from the tier, on both ranks
+        assert _same(out, reference[0]) and cached >= 32
+        assert eng.stats().hicache_loaded_pages > 0
+        _assert_no_leak(eng)  # the flush clears every rank's shard
+    assert not list(store.glob("*/rank*/*.kv"))
+
+
+def test_tensor_parallel_warm_restart_and_a_missing_shard(
+    tiny_llama_dir: Path, tmp_path: Path, reference: list[Out]
+) -> None:
+    store = tmp_path / "tier"
+    prompt = _prompts()[0]
+    kw = {"hicache_storage_dir": str(store), **TP2}
+    with _engine(tiny_llama_dir, **kw) as eng:
+        assert _same(_run(eng, prompt)[0], reference[0])
+    rank0, rank1 = (sorted(store.glob(f"*/rank{r}/*.kv")) for r in (0, 1))
+    assert len(rank0) >= 9 and [p.name for p in rank0] == [p.name for p in rank1]
+    assert rank0[0].read_bytes() != rank1[0].read_bytes()  # each rank's own KV heads
+    with _engine(tiny_llama_dir, **kw) as eng:  # a restart finds every rank's shards
+        out, cached = _run(eng, prompt)
+        assert _same(out, reference[0]) and cached >= 36
+    for path in sorted(store.glob("*/rank1/*.kv")):  # rank 1's shards lost: nothing served
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with _engine(tiny_llama_dir, **kw) as eng:
+        out, cached = _run(eng, prompt)
+        assert _same(out, reference[0]) and cached == 0
         _assert_no_leak(eng)

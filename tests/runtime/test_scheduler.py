@@ -115,6 +115,75 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_with_decodes():
     assert_all_released(s)
 
 
+def test_max_prefill_tokens_bounds_a_steps_prefill_and_keeps_outputs_exact():
+    rng = random.Random(5)
+    s = make(chunked_prefill_size=8, max_batched_tokens=48, max_prefill_tokens=12)
+    reqs = [req(f"r{i}", prompt(rng, rng.randint(2, 40)), rng.randint(1, 8)) for i in range(12)]
+    for r in reqs:
+        s.add_request(r)
+    run(s)
+    for b in s.runner.batches:
+        assert sum(n for n in b.extend_lens_cpu if n > 1) <= 12
+    assert max(sum(n for n in b.extend_lens_cpu if n > 1) for b in s.runner.batches) == 12
+    for r in reqs:
+        assert r.output_token_ids == reference_continuation(
+            r.prompt_token_ids, len(r.output_token_ids)
+        )
+    assert_all_released(s)
+
+
+@pytest.mark.parametrize("cap", [None, 12])
+def test_max_prefill_tokens_serves_the_shortest_remaining_prefill_first(cap):
+    rng = random.Random(6)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=cap)
+    long, short = req("long", prompt(rng, 30), 2), req("short", prompt(rng, 10), 2)
+    s.add_request(long)
+    s.add_request(short)
+    s.step()
+    assert s.runner.batches[0].extend_lens_cpu == ([8, 4] if cap else [8, 8])
+    s.step()
+    # with the cap, the short prompt (6 left) goes first and gets its first token now
+    assert s.runner.batches[1].extend_lens_cpu == ([6, 6] if cap else [8, 2])
+    assert short.num_output_tokens == 1
+    run(s)
+    assert_all_released(s)
+
+
+@pytest.mark.parametrize("cap", [None, 12])
+def test_a_prompt_finishing_this_step_goes_before_a_running_long_one(cap):
+    """A returning turn (short remaining prompt) arriving while a long prompt is prefilled."""
+    rng = random.Random(7)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=cap)
+    long, short = req("long", prompt(rng, 40), 2), req("short", prompt(rng, 6), 2)
+    s.add_request(long)
+    s.step()
+    s.add_request(short)
+    s.step()
+    # capped: the short prompt is computed whole now, the long one gets what is left
+    assert s.runner.batches[1].extend_lens_cpu == ([6, 6] if cap else [8, 6])
+    assert short.num_output_tokens == 1
+    run(s)
+    assert long.output_token_ids == reference_continuation(long.prompt_token_ids, 2)
+    assert_all_released(s)
+
+
+def test_a_stream_of_short_prompts_does_not_starve_a_running_long_one():
+    rng = random.Random(8)
+    s = make(chunked_prefill_size=8, max_batched_tokens=64, max_prefill_tokens=8)
+    long = req("long", prompt(rng, 64), 1)
+    s.add_request(long)
+    s.step()
+    for i in range(20):
+        s.add_request(req(f"s{i}", prompt(rng, 8), 1))  # each fills a whole step
+        s.step()
+        if long.is_finished:
+            break
+    # the long prompt gets the budget at least every other step: 56 tokens in <= 14 steps
+    assert long.is_finished and i <= 14
+    run(s)
+    assert_all_released(s)
+
+
 def test_no_chunking_runs_a_long_prompt_whole_when_alone():
     rng = random.Random(3)
     s = make(chunked_prefill_size=None, max_batched_tokens=16)

@@ -9,6 +9,9 @@ before each operation broadcasts it to the other ranks over the gloo control gro
     payload int64[n]  input_ids | positions | out_cache_loc | seq_lens | prefix_lens |
                       extend_lens | qo_indptr | page_table (B x max_pages) | logits_indices
 
+The second KV tier's ops (`tier_ops.py`: each rank stores and loads its own shard of a page)
+travel the same way, in order with the forwards.
+
 Why a gloo broadcast of one compact tensor rather than shared memory: it is the same code on one
 node and on several (`--nnodes`), the payload is a few KB (token ids and page ids, never
 activations), and the all-reduces inside the forward already synchronize the ranks, so nothing
@@ -42,6 +45,7 @@ from radixlm.runtime.distributed.parallel_state import (
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
+from radixlm.runtime.distributed.tier_ops import TIER_OPS, BroadcastTierFollowers, WorkerTier
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +190,7 @@ def worker_main(rank: int, args: WorkerArgs) -> None:
     try:
         group = init_tensor_parallel(args.dist_config, rank, device)
         runner = _build_runner(dataclasses.replace(args, device=str(device)), group)
-        _serve_steps(runner, group, device)
+        _serve_steps(runner, group, device, WorkerTier(rank, args.model_dir))
     except Exception:  # noqa: BLE001 - reported, then the process exits non-zero
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise SystemExit(1) from None
@@ -194,21 +198,27 @@ def worker_main(rank: int, args: WorkerArgs) -> None:
         destroy_tensor_parallel()
 
 
-def _serve_steps(runner: Any, group: TensorParallelGroup, device: torch.device) -> None:
+def _serve_steps(
+    runner: Any, group: TensorParallelGroup, device: torch.device, tier: WorkerTier
+) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, src=0, group=group.cpu_group)
         op = int(header[0])
         if op == OP_SHUTDOWN:
+            tier.close()  # this rank's pending tier writes
             return
         payload = torch.empty(int(header[7]), dtype=torch.int64)
-        dist.broadcast(payload, src=0, group=group.cpu_group)
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=group.cpu_group)
         if op == OP_FORWARD:
             batch = decode_forward(header, payload, device)
             runner.forward(batch)  # logits discarded: rank 0 samples
         elif op == OP_COPY_PAGES:
             src, dst = payload.split(int(header[1]))
             runner.kv_cache.copy_pages(src.tolist(), dst.tolist())
+        elif op in TIER_OPS:
+            tier.serve(op, int(header[1]), payload, runner.kv_cache, group.cpu_group)
         else:
             raise TensorParallelError(f"unknown step op {op}")
 
@@ -316,16 +326,41 @@ class TensorParallelRunner:
         except Exception as exc:  # a collective failed: a peer is gone
             raise self._fail(f"forward failed: {exc}") from exc
 
-    def _send(self, header: torch.Tensor, payload: torch.Tensor | None) -> None:
-        """Broadcast one step (the header, then the payload unless it is None)."""
+    def open_tier(self, spec: Any) -> BroadcastTierFollowers:
+        """Ranks 1..N-1 open their shards of the second KV tier (``TierSpec``); the result
+        sends rank 0's tier decisions to them."""
+        return BroadcastTierFollowers(self, spec)
+
+    def send_op(
+        self, op: int, n: int, payload: torch.Tensor | None, reply: int | None = None
+    ) -> int:
+        """Run one op on every other rank (``header[1] = n``). With ``reply``, every rank
+        answers an int (rank 0 ``reply``) and the minimum over all ranks is returned."""
+        if reply is None:
+            self._send(_header(op, n), payload)
+            return 0
+        answer = torch.tensor([reply], dtype=torch.int64)
+        self._send(_header(op, n), payload, answer)
+        return int(answer[0])
+
+    def _send(
+        self,
+        header: torch.Tensor,
+        payload: torch.Tensor | None,
+        reply: torch.Tensor | None = None,
+    ) -> None:
+        """Broadcast one step (the header, then the payload unless it is None or empty); with
+        ``reply``, then all-reduce it (MIN) as the ranks' answer."""
         with self._lock:
             if self.failed:
                 raise TensorParallelError(self.failed)
             header[7] = 0 if payload is None else payload.numel()
             try:
                 dist.broadcast(header, src=0, group=self.group.cpu_group)
-                if payload is not None:
+                if payload is not None and payload.numel():
                     dist.broadcast(payload, src=0, group=self.group.cpu_group)
+                if reply is not None:
+                    dist.all_reduce(reply, op=dist.ReduceOp.MIN, group=self.group.cpu_group)
             except Exception as exc:
                 raise self._fail(f"step broadcast failed: {exc}") from exc
 

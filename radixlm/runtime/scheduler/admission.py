@@ -87,9 +87,11 @@ class Admission:
         items: list[ScheduledItem],
         budget: int,
         inflight: set[int],
+        finishing: bool = False,
     ) -> Admitted:
         """Admit `req` for at most `budget` tokens: on success it holds its pages, is RUNNING,
-        appended to `running`, and its item to `items`."""
+        appended to `running`, and its item to `items`. With `finishing`, only if what its
+        prefix hit leaves fits in one chunk of `budget` (its prompt is computed this step)."""
         cfg = self.config
         if req.grammar_pending:
             return Admitted(Outcome.SKIP)  # its grammar is compiling
@@ -99,6 +101,9 @@ class Admission:
             return Admitted(Outcome.SKIP)  # its pages are being read from the second tier
         hit = self.pages.adopt_prefix(req, reserve=len(running))
         remaining = req.num_uncomputed
+        if finishing and remaining > min(budget, cfg.chunked_prefill_size or math.inf):
+            self.pages.release(req)  # its loaded or matched pages stay cached in the tree
+            return Admitted(Outcome.SKIP)
         if cfg.chunked_prefill_size is None:
             # No chunking: the whole prompt, past the budget only when it runs alone.
             if remaining > budget and items:

@@ -85,7 +85,7 @@ class Scheduler:
         self.debug_integrity = debug_integrity
         self.hicache = hicache
         self.pages = PageManager(pool, cache, hicache)
-        self.policy = create_policy(config.schedule_policy, config, cache, clock)
+        self.policy = create_policy(config.schedule_policy, config, cache, clock, hicache)
         self.admission = Admission(config, cache, self.pages, self.policy)
         self.retraction = Retraction(self.pages)
         self.forks = ForkPlanner(self.pages, appender.init_request)
@@ -114,6 +114,7 @@ class Scheduler:
         self.num_accepted_draft_tokens = 0  # ... and accepted
         self._failed: list[Request] = []  # finished with an error during this `schedule()`
         self._scheduling_error: str | None = None  # set by `_unschedulable` within a schedule
+        self._long_deferred = False  # a running prompt got no tokens in the last step
 
     @property
     def num_retractions(self) -> int:
@@ -164,13 +165,24 @@ class Scheduler:
         items: list[ScheduledItem] = []
         used = 0  # tokens scheduled so far
         chunk_cap = cfg.chunked_prefill_size or math.inf
+        prefill_left = cfg.max_prefill_tokens or math.inf  # the step's prefill tokens left
         self._poll_grammars()
         drafts = self._plan_drafts(chunk_cap)
-        for req in list(self.running):
+        # With `max_prefill_tokens`: waiting requests whose prompt would finish within this step
+        # go before the running prompts that will not (not two steps in a row: those progress).
+        finishing_first = cfg.max_prefill_tokens is not None and not self._long_deferred
+        self._long_deferred = False
+        for req in self._running_order():
             if req.status is not RequestStatus.RUNNING:
                 continue  # retracted or failed earlier in this loop
+            if finishing_first and 1 < req.num_uncomputed > min(chunk_cap, prefill_left):
+                finishing_first = False
+                used, prefill_left = self._admit(items, used, prefill_left, finishing=True)
             n = int(min(req.num_uncomputed, chunk_cap, cfg.max_batched_tokens - used))
+            if n > 1:  # a prefill chunk
+                n = int(min(n, prefill_left))
             if n <= 0:
+                self._long_deferred |= req.num_uncomputed > 1
                 continue
             retractions = self.num_retractions
             try:
@@ -185,9 +197,13 @@ class Scheduler:
             if self.num_retractions != retractions:
                 # a retraction dropped an item
                 used = sum(i.num_tokens + i.draft_limit for i in items)
+                prefill = sum(i.num_tokens for i in items if not i.draft and i.num_tokens > 1)
+                prefill_left = (cfg.max_prefill_tokens or math.inf) - prefill
             elif ok:
                 used += n + len(draft) + reserve
-        self._admit(items, used)
+                if n > 1:
+                    prefill_left -= n
+        self._admit(items, used, prefill_left)
         if self._scheduling_error is not None:
             message, self._scheduling_error = self._scheduling_error, None
             try:
@@ -283,8 +299,20 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._failed += self._finish(req, "error", error=failed.message, code=failed.code)
 
-    def _admit(self, items: list[ScheduledItem], used: int) -> None:
-        """Admit waiting requests in policy order while a slot, budget and pages last."""
+    def _running_order(self) -> list[Request]:
+        """The order running requests take the step's budget in: as they run, or with
+        `max_prefill_tokens` decodes first, then prefills shortest remaining first (the one
+        closest to its first token is not held back by longer chunks)."""
+        if self.config.max_prefill_tokens is None:
+            return list(self.running)
+        return sorted(self.running, key=lambda r: r.num_uncomputed)
+
+    def _admit(
+        self, items: list[ScheduledItem], used: int, prefill_left: float, finishing: bool = False
+    ) -> tuple[int, float]:
+        """Admit waiting requests in policy order while a slot, budget (the step's tokens and
+        prefill tokens) and pages last; with `finishing`, only those whose prompt is computed
+        within this step. Returns the step's tokens used and prefill tokens left."""
         cfg = self.config
         if self.pages.tier_loads is not None:
             self.pages.tier_loads.retain(self.waiting)
@@ -292,8 +320,9 @@ class Scheduler:
             not self.waiting
             or len(self.running) >= cfg.max_running_requests
             or used >= cfg.max_batched_tokens
+            or prefill_left <= 0
         ):
-            return  # nothing can be admitted: skip the policy's ordering (prefix lookups)
+            return used, prefill_left  # nothing can be admitted: skip the policy's ordering
         inflight = self.admission.inflight_prefixes(self.running)
         removed: set[int] = set()
         for req in self.admission.order(self.waiting):
@@ -301,11 +330,13 @@ class Scheduler:
                 continue  # failed by a scheduling error earlier in this loop
             if len(self.running) >= cfg.max_running_requests:
                 break
-            budget = cfg.max_batched_tokens - used
+            budget = int(min(cfg.max_batched_tokens - used, prefill_left))
             if budget <= 0:
                 break
             try:
-                got = self.admission.try_admit(req, self.running, items, budget, inflight)
+                got = self.admission.try_admit(
+                    req, self.running, items, budget, inflight, finishing
+                )
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the others'
                 self._unschedulable(req, items, exc)
                 removed.add(id(req))
@@ -319,10 +350,12 @@ class Scheduler:
             if got.outcome is Outcome.ADMITTED:
                 removed.add(id(req))
                 used += got.num_tokens
+                prefill_left -= got.num_tokens
                 if got.first:
                     self.total_prompt_tokens += req.num_prompt_tokens
         if removed:
             self.waiting = deque(r for r in self.waiting if id(r) not in removed)
+        return used, prefill_left
 
     def _ensure_pages(self, req: Request, total_tokens: int, items: list[ScheduledItem]) -> bool:
         """Give a running request pages for `total_tokens`; evict, then retract, when short."""

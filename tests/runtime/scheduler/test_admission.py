@@ -88,3 +88,38 @@ def test_retraction_takes_the_least_progress_and_queues_it_first():
     assert b.status is RequestStatus.WAITING and b.pages == [] and b.num_retractions == 1
     assert adm.pages.pool.num_cached == 2  # its computed full pages went to the cache
     adm.pages.check_integrity(running, list(waiting))
+
+
+class _NullIO:
+    def read_pages(self, pages: list[int]) -> list[bytes]:
+        return [b"page" for _ in pages]
+
+    def write_pages(self, pages: list[int], payloads: list[bytes]) -> None:
+        pass
+
+
+def test_lpm_counts_the_second_tiers_pages_after_the_pool_match():
+    from radixlm.radix import HiCache, HostTierStore
+    from radixlm.radix.tier import page_keys
+
+    pool = BlockPool(8, 4)
+    cache = RadixCache(pool)
+    hicache = HiCache(cache, HostTierStore(1 << 20), _NullIO())
+    config = SchedulerConfig(schedule_policy="lpm")
+    pool_hit = req("pool", list(range(12)))  # one page in the pool
+    tier_hit = req("tier", list(range(100, 113)))  # the pool holds nothing; the tier 3 pages
+    first = req("none", list(range(200, 212)))  # first in line, nothing cached
+    page = pool.alloc(1)
+    cache.insert_and_adopt(list(range(4)), page, None)
+    pool.decref(page)
+    for key in page_keys(tier_hit.token_ids[:12], 4):
+        hicache.store.put(key, b"page")
+    waiting = [first, pool_hit, tier_hit]
+    lpm = create_policy("lpm", config, cache, lambda: 0.0, hicache)
+    assert lpm.order(waiting) == [tier_hit, pool_hit, first]
+    assert lpm.prefix_len(tier_hit) == 12 and lpm.prefix_len(pool_hit) == 4
+    # the tier's pages count only right after the pool's match: a gap ends the hit
+    hicache.store.drop(next(iter(page_keys(tier_hit.token_ids, 4))))
+    assert lpm.prefix_len(tier_hit) == 0
+    no_tier = create_policy("lpm", config, cache, lambda: 0.0)
+    assert no_tier.order(waiting) == [pool_hit, first, tier_hit]
