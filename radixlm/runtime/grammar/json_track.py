@@ -44,8 +44,9 @@ class Hooks(Protocol):
         """``value`` may refuse a value at ``nodes`` (a relaxed keyword applies there)."""
         ...
 
-    def checks_key(self, nodes: Nodes) -> bool:
-        """``key`` / ``key_prefix`` may refuse a key of an object at ``nodes``."""
+    def checks_own(self, nodes: Nodes) -> bool:
+        """A value at ``nodes`` may be refused when it completes although every value
+        inside it passed its own checks (``SchemaVerifier.refuses_own``)."""
         ...
 
 
@@ -160,27 +161,21 @@ def advance_value(
 
 
 def open_checked(state: ScanState, hooks: Hooks) -> int | None:
-    """The start (an offset in ``state.text``) of the innermost open value whose completion
-    ``hooks`` may still refuse: a checked value or key, an item of an array that keeps its items
-    (``uniqueItems``), a string with a prefix check; None when every open value is past its
-    checks. A refusal met later can only come from that value or an enclosing one."""
-    stack = state.stack
-    sc = state.scalar
-    if sc is not None and sc.kind != "literal":  # a literal was checked at its first letter
-        top = stack[-1] if stack else None
-        if sc.key:
-            checked = hooks.checks_key(sc.nodes)
-        else:
-            item = top is not None and top.array and hooks.keeps_items(top.nodes)
-            checked = sc.prefix_check or item or hooks.checks_value(sc.nodes)
-        if checked:
-            return sc.start
-    for i in range(len(stack) - 1, -1, -1):
-        frame = stack[i]
-        parent = stack[i - 1] if i else None
-        item = parent is not None and parent.array and hooks.keeps_items(parent.nodes)
-        if item or hooks.checks_value(frame.nodes):
+    """The start (an offset in ``state.text``) of the outermost open value whose completion
+    ``hooks`` may refuse on account of its own keywords (``hooks.checks_own``: an array with
+    ``uniqueItems``, an object with ``propertyNames``, a value under ``not`` / ``if`` /
+    ``oneOf``, a string with a prefix check, ...); None when there is none. Every open value
+    that starts before it completes only through checks of values inside it, each named at
+    its own position, so a refusal met later can be undone by taking back text after that
+    start. Monotone: as text is appended the offset never decreases (the values outside it
+    cannot refuse, and the next such value starts after it ends)."""
+    for frame in state.stack:
+        if hooks.checks_own(frame.nodes):
             return frame.start
+    sc = state.scalar
+    if sc is not None and not sc.key and sc.kind != "literal":  # literals: checked at once
+        if sc.prefix_check or hooks.checks_own(sc.nodes):
+            return sc.start
     return None
 
 
