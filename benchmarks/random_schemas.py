@@ -45,25 +45,25 @@ def _object(rng: Rng, depth: int) -> dict[str, Any]:
     required = [n for n in names if rng.random() < 0.6] or names[:1]
     schema: dict[str, Any] = {"type": "object", "properties": props, "required": required,
                               "additionalProperties": False}  # fmt: skip
-    roll = rng.random()
     ints = [n for n in names if props[n].get("type") == "integer"]
     strings = [n for n in names if props[n].get("type") == "string"]
-    if roll < 0.15 and ints:
+    keyword = rng.choice(["not", "if", "unevaluatedProperties", "minProperties", "", ""])
+    if keyword == "not" and ints:
         n = rng.choice(ints)
         schema["not"] = {"properties": {n: {"minimum": rng.randint(0, 9)}}, "required": [n]}
-    elif roll < 0.3 and ints:
+    elif keyword == "if" and ints:
         n, other = rng.choice(ints), rng.choice(names)
         schema["if"] = {"properties": {n: {"minimum": rng.randint(0, 9)}}}
         schema["then"] = {"required": [other]}
         if rng.random() < 0.5 and strings:
             schema["else"] = {"properties": {rng.choice(strings): {"maxLength": 3}}}
-    elif roll < 0.4:
+    elif keyword == "unevaluatedProperties":
         extra = rng.choice([n for n in NAMES if n not in names])
         schema["allOf"] = [{"properties": {extra: {"type": "integer", "minimum": 0,
                                                    "maximum": 9}}}]  # fmt: skip
         del schema["additionalProperties"]
         schema["unevaluatedProperties"] = False
-    elif roll < 0.5:
+    elif keyword == "minProperties":
         schema["minProperties"] = min(len(names), 2)
     return schema
 
