@@ -48,12 +48,14 @@ def _object(rng: Rng, depth: int) -> dict[str, Any]:
     ints = [n for n in names if props[n].get("type") == "integer"]
     strings = [n for n in names if props[n].get("type") == "string"]
     keyword = rng.choice(["not", "if", "unevaluatedProperties", "minProperties", "", ""])
-    if keyword == "not" and ints:
+    if keyword == "not" and ints:  # a few values of a property forbidden at the root
         n = rng.choice(ints)
-        schema["not"] = {"properties": {n: {"minimum": rng.randint(0, 9)}}, "required": [n]}
+        lo = props[n]["minimum"] + rng.randint(0, 3)
+        schema["not"] = {"properties": {n: {"minimum": lo, "maximum": lo + rng.randint(0, 5)}},
+                         "required": [n]}  # fmt: skip
     elif keyword == "if" and ints:
         n, other = rng.choice(ints), rng.choice(names)
-        schema["if"] = {"properties": {n: {"minimum": rng.randint(0, 9)}}}
+        schema["if"] = {"properties": {n: {"minimum": props[n]["minimum"] + rng.randint(0, 9)}}}
         schema["then"] = {"required": [other]}
         if rng.random() < 0.5 and strings:
             schema["else"] = {"properties": {rng.choice(strings): {"maxLength": 3}}}
