@@ -3,8 +3,8 @@ valid, and what does the checker do and cost, per keyword.
 
     .venv/bin/python benchmarks/bench_verifier.py [--samples 8] [--max-tokens 160]
         [--temperature 0.8] [--keywords uniqueItems,not,...] [--maskbench PATH --real 20]
-        [--no-dead-ends] [--dtype bfloat16] [--threads 2] [--out benchmarks/results/verifier.json]
-        [--smoke]
+        [--no-dead-ends] [--random 200] [--batch 8] [--dtype bfloat16] [--threads 2]
+        [--out benchmarks/results/verifier.json] [--smoke]
 
 Groups: one per keyword the grammar cannot express (``KEYWORD_SCHEMAS``: small schemas a
 135M model can fill, each needing the verifier for that keyword), ``tools`` (the same keywords
@@ -14,8 +14,11 @@ completion, e.g. ``"a`` once ``ab``, ``ac``, ``ad`` are used: the rollback's wor
 ``--maskbench``
 ``real``: up to ``--real`` schemas of jsonschemabench's maskbench folder (sorted names, every
 subset but the reserved Kubernetes / JsonSchemaStore) that compile strictly and need the
-verifier (``strict.verified_keywords``). Each group is one batch of ``--samples`` sampled
-generations per schema (seeds 0..N-1) on one engine (default backend, strict mode).
+verifier (``strict.verified_keywords``), and with ``--random N`` ``random``: the schemas of
+``random_schemas.random_schema`` for seeds 0..N-1 that need the verifier and compile strictly
+(one generation each, even seeds greedy, odd ones sampled; the rest are counted as left out).
+Each group runs ``--samples`` sampled generations per schema (seeds 0..N-1) in batches of
+``--batch`` requests on one engine (default backend, strict mode).
 
 Per generation: ``valid`` (finished, parses, validates with ``jsonschema`` and its format
 checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` reached),
@@ -28,8 +31,12 @@ redraws, ``dead_ends``: rows left with no token, ``rollbacks``: dead ends left b
 request back a token and banning it there; the rest end as ``dead_end``), the seconds spent
 checking sampled tokens (``verifier_s``) and in the whole grammar step (masks, accept,
 jump-forward, checks: ``grammar_s``), per generated token (``verifier_us_per_token``) and as a
-share of the batch's wall time. The wall includes prefill and the batch's tail, so the shares
-are a lower bound of the per-decode-step share; run it on a quiet box for figures.
+share of the batch's wall time; and, per decode step (no item still in its prompt; ``StepMeter``
+on the step thread), the grammar step's and the checker's seconds over the forward's
+(``g/fwd``, ``v/fwd``: what holds up the step; ``o/fwd``: the mask fills done on the worker
+while the forward ran). The step ratios are measured in the same run on the same thread, so
+they hardly depend on the box's load; use ``--threads 1`` for them (the worker then has the
+other core).
 ``--smoke``: two schemas, two samples, 48 tokens (a check that the script runs, nothing to
 report).
 """
@@ -281,38 +288,42 @@ class StepMeter:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.steps: list[tuple[bool, int, float, float, float]] = []  # decode, rows, fwd, g, v
-        self._open: tuple[bool, int, float, float, float] | None = None
+        # decode, rows, forward s, then grammar / checker / overlapped mask-fill s
+        self.steps: list[tuple[bool, int, float, float, float, float]] = []
+        self._open: tuple[bool, int, float, float, float, float] | None = None
         run = engine.executor.run
 
         def metered(batch: Any) -> Any:
             self._close()
-            g, v = self._grammar()
+            g, v, o = self._grammar()
             # Decoding (after a jump-forward an item computes its forced tokens too): no item
             # is still in its prompt.
             decode = bool(batch.items) and all(
                 i.req.num_computed_tokens >= i.req.num_prompt_tokens for i in batch.items
             )
             out = run(batch)
-            self._open = (decode, len(batch.items), out.forward_seconds, g, v)
+            self._open = (decode, len(batch.items), out.forward_seconds, g, v, o)
             return out
 
         engine.executor.run = metered
 
-    def _grammar(self) -> tuple[float, float]:
+    def _grammar(self) -> tuple[float, float, float]:
         step = self.engine.scheduler.appender.grammar
-        return (0.0, 0.0) if step is None else (step.seconds, step.verifier_seconds)
+        if step is None:
+            return 0.0, 0.0, 0.0
+        return step.seconds, step.verifier_seconds, step.overlapped_seconds
 
     def _close(self) -> None:
         if self._open is not None:
-            decode, rows, fwd, g0, v0 = self._open
-            g1, v1 = self._grammar()
-            self.steps.append((decode, rows, fwd, g1 - g0, v1 - v0))
+            decode, rows, fwd, g0, v0, o0 = self._open
+            g1, v1, o1 = self._grammar()
+            self.steps.append((decode, rows, fwd, g1 - g0, v1 - v0, o1 - o0))
             self._open = None
 
     def take(self) -> dict[str, float]:
         """The decode steps since the last ``take``: their count, mean rows, and grammar /
-        checker seconds as a share of their forward seconds."""
+        checker seconds (on the step thread) and the mask fills overlapped with the forward
+        (on the worker) as a share of their forward seconds."""
         self._close()
         decode = [s for s in self.steps if s[0]]
         self.steps = []
@@ -323,6 +334,7 @@ class StepMeter:
             "decode_forward_s": sum(s[2] for s in decode),
             "decode_grammar_share": sum(s[3] for s in decode) / fwd,
             "decode_verifier_share": sum(s[4] for s in decode) / fwd,
+            "decode_overlapped_share": sum(s[5] for s in decode) / fwd,
         }
 
 
@@ -415,7 +427,7 @@ def main() -> None:
         engine.shutdown()
     print(f"{'group':<22} {'n':>4} {'valid':>6} {'cut':>5} {'dead':>5} {'inval':>6} "
           f"{'err':>4} {'rollb':>5} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7} "
-          f"{'g/fwd%':>7} {'v/fwd%':>7}  events")  # fmt: skip
+          f"{'g/fwd%':>7} {'v/fwd%':>7} {'o/fwd%':>7}  events")  # fmt: skip
     for r in rows:
         events = ", ".join(
             f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}/{v.get('rollbacks', 0)}"
@@ -425,14 +437,16 @@ def main() -> None:
               f"{r['invalid']:>6} {r['error']:>4} {r['rollbacks']:>5} "
               f"{r['verifier_us_per_token']:>11.1f} "
               f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}% "
-              f"{100 * r['decode_grammar_share']:>6.1f}% {100 * r['decode_verifier_share']:>6.1f}%"
+              f"{100 * r['decode_grammar_share']:>6.1f}% {100 * r['decode_verifier_share']:>6.1f}% "
+              f"{100 * r['decode_overlapped_share']:>6.1f}%"
               f"  {events}")  # fmt: skip
     if args.random:
         print(f"random: {left_out} of {args.random} schemas left out (no verified keyword, or "
               "refused in strict mode)")  # fmt: skip
     print(
-        "events per keyword: masked/resampled/dead_ends/rollbacks; g/fwd, v/fwd: grammar "
-        "step / checker seconds over the forward's, decode steps only"
+        "events per keyword: masked/resampled/dead_ends/rollbacks; g/fwd, v/fwd, o/fwd: grammar"
+        " step / checker seconds on the step thread, mask fills overlapped with the forward,"
+        " over the forward's seconds, decode steps only"
     )
     for r in rows:
         for o in r["outcomes"]:

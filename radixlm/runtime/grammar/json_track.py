@@ -110,7 +110,45 @@ def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> S
             return inside
     text, pending = decode_partial(state.pending + data)
     out = advance(replace(state, pending=b""), text, hooks, root)
-    return replace(out, pending=pending) if isinstance(out, ScanState) else out
+    if not isinstance(out, ScanState):
+        return out
+    sc = out.scalar
+    if pending and sc is not None and sc.kind == "string" and sc.prefix_check and not sc.escape:
+        # An incomplete character inside a checked string: refused when no character it can
+        # complete to continues the text (else every continuation is a dead end).
+        prefix = _decoded_prefix(out.text[sc.start + 1 :])
+        if prefix is not None:
+            check = hooks.key_prefix if sc.key else hooks.string_prefix
+            keyword = None
+            for ch in utf8_completions(pending):
+                keyword = check(sc.nodes, prefix + ch)
+                if keyword is None:
+                    break
+            if keyword is not None:
+                return keyword
+    return replace(out, pending=pending)
+
+
+def utf8_completions(pending: bytes, most: int = 64) -> list[str]:
+    """Characters that the incomplete UTF-8 sequence ``pending`` can complete to: all of them
+    when there are at most ``most`` (one continuation byte missing), else ``most`` spread
+    over the range (a refusal is then over-strict for a pattern that admits only characters
+    between them; whole-character tokens are still checked exactly)."""
+    lead = pending[0]
+    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    missing = size - len(pending)
+    if missing <= 0:
+        return []
+    total = 64**missing
+    step = max(1, total // most)
+    out = []
+    for k in range(0, total, step):
+        tail = bytes(0x80 + (k >> (6 * (missing - 1 - j)) & 0x3F) for j in range(missing))
+        try:
+            out.append((pending + tail).decode("utf-8"))
+        except UnicodeDecodeError:
+            continue  # overlong, surrogate or past U+10FFFF
+    return out
 
 
 def _inside_string(

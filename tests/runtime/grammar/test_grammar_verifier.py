@@ -375,3 +375,18 @@ def test_backtrack_rolls_back_and_bans_the_token_at_its_position() -> None:
     m.rollback(2)  # back before the ban's position: the ban is forgotten
     assert m.accept_tokens(list(b'"a'))
     assert m.backtrack(0, "uniqueItems", budget=1) == 0  # the budget is spent
+
+
+def test_an_incomplete_character_is_refused_when_no_completion_can_continue_the_pattern() -> None:
+    """A token ending inside a UTF-8 character, in a string with a prefix check: refused when
+    none of the characters it can complete to continues the text (every continuation would be
+    a dead end), kept when one can (``é`` = C3 A9 under ``[a-zé]``)."""
+    ascii_only = {"type": "string", "pattern": "^(?!x)[a-z]{1,3}$"}
+    m = _walked(ascii_only, '"ab')
+    assert m.check_token(0xC3) == "pattern"
+    assert m.check_token(ord("c")) is None
+    accented = {"type": "string", "pattern": "^(?!x)[a-zé]{1,3}$"}
+    m = _walked(accented, '"ab')
+    assert m.check_token(0xC3) is None
+    assert m.accept_token(0xC3) and m.check_token(0xA9) is None
+    assert m.check_token(0xA8) == "pattern"  # è: not in the class
