@@ -39,6 +39,8 @@ from radixlm.runtime.grammar.schema_keywords import (
 )
 
 _MAX_EXPAND = 64
+_MAX_CACHED_SPAN = 256  # longer value texts are validated every time
+_MAX_CACHED_VALUES = 4096  # the value cache is emptied when it reaches this size
 _MAP_KEYS = frozenset({*SCHEMA_MAPS, "dependencies"})
 _SUBSCHEMA_KEYS = frozenset({*SCHEMA_MAPS, *SCHEMA_VALUES, *SCHEMA_LISTS, "items",
                              "dependencies"})  # fmt: skip
@@ -54,6 +56,8 @@ class SchemaVerifier:
         self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
         self._tainted: dict[int, bool] = {}
         self._own: dict[int, bool] = {}
+        # (ids of the checked schema objects, value text) -> the refusing keyword or None
+        self._values: dict[tuple[tuple[int, ...], str], str | None] = {}
         self._validators: dict[int, Any] = {}
         self.root: Nodes = self._expand(schema)
 
@@ -208,12 +212,22 @@ class SchemaVerifier:
         checked = [n for n in nodes if self.tainted(n)]
         if not checked:
             return None
+        # The answer depends only on the schema objects and the text: the rows of a batch
+        # under one schema (and the candidates a scan tries) often complete the same values.
+        key = (tuple(id(n) for n in checked), span) if len(span) <= _MAX_CACHED_SPAN else None
+        if key is not None and key in self._values:
+            return self._values[key]
         instance = json.loads(span)
+        refusal = None
         for n in checked:
             refusal = self._refusal(n, instance)
             if refusal is not None:
-                return refusal
-        return None
+                break
+        if key is not None:
+            if len(self._values) >= _MAX_CACHED_VALUES:
+                self._values.clear()
+            self._values[key] = refusal
+        return refusal
 
     def string_prefix(self, nodes: Nodes, text: str) -> str | None:
         for n in nodes:

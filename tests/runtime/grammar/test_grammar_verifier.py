@@ -390,3 +390,18 @@ def test_an_incomplete_character_is_refused_when_no_completion_can_continue_the_
     assert m.check_token(0xC3) is None
     assert m.accept_token(0xC3) and m.check_token(0xA9) is None
     assert m.check_token(0xA8) == "pattern"  # è: not in the class
+
+
+def test_a_completed_value_is_validated_once_per_schema_position(monkeypatch) -> None:
+    """The verdict on a value text at a position is cached: the same answers, one
+    ``jsonschema`` validation for each distinct (position, text)."""
+    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(ROOT_NOT)))
+    calls: list[Any] = []
+    refusal = SchemaVerifier._refusal
+    monkeypatch.setattr(SchemaVerifier, "_refusal",
+                        lambda self, n, i: calls.append(i) or refusal(self, n, i))  # fmt: skip
+    tags = v.child(v.root, "tags")
+    answers = [v.value(tags, text) for text in ('["a","a"]', '["a","b"]', '["a","a"]')]
+    assert answers == ["uniqueItems", None, "uniqueItems"]
+    assert calls == [["a", "a"], ["a", "b"]]
+    assert v.value(v.root, '{"n":1}') == "not" and v.value(v.root, '{"n":2}') is None
