@@ -3,8 +3,8 @@ valid, and what does the checker do and cost, per keyword.
 
     .venv/bin/python benchmarks/bench_verifier.py [--samples 8] [--max-tokens 160]
         [--temperature 0.8] [--keywords uniqueItems,not,...] [--maskbench PATH --real 20]
-        [--no-dead-ends] [--dtype bfloat16] [--threads 2] [--out benchmarks/results/verifier.json]
-        [--smoke]
+        [--no-dead-ends] [--random 200] [--batch 8] [--dtype bfloat16] [--threads 2]
+        [--out benchmarks/results/verifier.json] [--smoke]
 
 Groups: one per keyword the grammar cannot express (``KEYWORD_SCHEMAS``: small schemas a
 135M model can fill, each needing the verifier for that keyword), ``tools`` (the same keywords
@@ -14,8 +14,11 @@ completion, e.g. ``"a`` once ``ab``, ``ac``, ``ad`` are used: the rollback's wor
 ``--maskbench``
 ``real``: up to ``--real`` schemas of jsonschemabench's maskbench folder (sorted names, every
 subset but the reserved Kubernetes / JsonSchemaStore) that compile strictly and need the
-verifier (``strict.verified_keywords``). Each group is one batch of ``--samples`` sampled
-generations per schema (seeds 0..N-1) on one engine (default backend, strict mode).
+verifier (``strict.verified_keywords``), and with ``--random N`` ``random``: the schemas of
+``random_schemas.random_schema`` for seeds 0..N-1 that need the verifier and compile strictly
+(one generation each, even seeds greedy, odd ones sampled; the rest are counted as left out).
+Each group runs ``--samples`` sampled generations per schema (seeds 0..N-1) in batches of
+``--batch`` requests on one engine (default backend, strict mode).
 
 Per generation: ``valid`` (finished, parses, validates with ``jsonschema`` and its format
 checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` reached),
@@ -28,8 +31,12 @@ redraws, ``dead_ends``: rows left with no token, ``rollbacks``: dead ends left b
 request back a token and banning it there; the rest end as ``dead_end``), the seconds spent
 checking sampled tokens (``verifier_s``) and in the whole grammar step (masks, accept,
 jump-forward, checks: ``grammar_s``), per generated token (``verifier_us_per_token``) and as a
-share of the batch's wall time. The wall includes prefill and the batch's tail, so the shares
-are a lower bound of the per-decode-step share; run it on a quiet box for figures.
+share of the batch's wall time; and, per decode step (no item still in its prompt; ``StepMeter``
+on the step thread), the grammar step's and the checker's seconds over the forward's
+(``g/fwd``, ``v/fwd``: what holds up the step; ``o/fwd``: the mask fills done on the worker
+while the forward ran). The step ratios are measured in the same run on the same thread, so
+they hardly depend on the box's load; use ``--threads 1`` for them (the worker then has the
+other core).
 ``--smoke``: two schemas, two samples, 48 tokens (a check that the script runs, nothing to
 report).
 """
@@ -38,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -49,6 +58,9 @@ import jsonschema
 from radixlm import Engine, SamplingParams
 from radixlm.runtime.grammar.strict import verified_keywords
 from radixlm.tool_calls import parse_tool_calls
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_schemas import random_schema  # noqa: E402
 
 KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
     "uniqueItems": {
@@ -126,6 +138,7 @@ class Case:
     name: str
     schema: Any  # the arguments' schema for the tools group
     tool: bool = False
+    greedy: bool = False  # temperature 0 (else ``--temperature``)
 
 
 @dataclass
@@ -150,32 +163,56 @@ def dead_end_cases() -> list[Case]:
     return [Case("dead_ends", name, schema) for name, (schema, _) in DEAD_END_SCHEMAS.items()]
 
 
-def real_cases(folder: Path, limit: int) -> list[Case]:
-    """Maskbench schemas that need the verifier and compile strictly (sorted, first ``limit``)."""
+def _strict_backend() -> Any:
+    """The default (``auto``) backend over the default model's vocabulary."""
     from radixlm.runtime.grammar.base import get_backend
-    from radixlm.runtime.grammar.constraint import Constraint
-    from radixlm.runtime.grammar.errors import GrammarError
     from radixlm.runtime.grammar.vocab import TokenVocab
     from radixlm.runtime.models.loader import load_tokenizer, resolve_model_path
 
     tok = load_tokenizer(resolve_model_path(None))
     vocab = TokenVocab.from_tokenizer(tok, len(tok), [tok.eos_token_id])
-    backend = get_backend("auto")(vocab)
+    return get_backend("auto")(vocab)
+
+
+def _needs_verifier(backend: Any, schema: Any) -> bool:
+    """``schema`` compiles strictly and needs the verifier."""
+    from radixlm.runtime.grammar.constraint import Constraint
+    from radixlm.runtime.grammar.errors import GrammarError
+
+    try:
+        c = Constraint.from_params(json_schema=schema)
+        if c is None or not verified_keywords(c.spec):
+            return False
+        backend.validate(c)
+        backend.compile(c)
+    except (GrammarError, ValueError):
+        return False
+    return True
+
+
+def real_cases(folder: Path, limit: int) -> list[Case]:
+    """Maskbench schemas that need the verifier and compile strictly (sorted, first ``limit``)."""
+    backend = _strict_backend()
     out: list[Case] = []
     for path in sorted(folder.glob("*.json")):
         if path.name.split("---")[0] in RESERVED or len(out) >= limit:
             continue
         schema = json.loads(path.read_text()).get("schema")
-        try:
-            c = Constraint.from_params(json_schema=schema)
-            if c is None or not verified_keywords(c.spec):
-                continue
-            backend.validate(c)
-            backend.compile(c)
-        except (GrammarError, ValueError):
-            continue
-        out.append(Case("real", path.stem, schema))
+        if _needs_verifier(backend, schema):
+            out.append(Case("real", path.stem, schema))
     return out
+
+
+def random_cases(count: int) -> tuple[list[Case], int]:
+    """``random_schemas.random_schema`` of seeds 0..count-1 that need the verifier and compile
+    strictly (even seeds greedy, odd ones sampled); also how many were left out."""
+    backend = _strict_backend()
+    out = []
+    for seed in range(count):
+        schema = random_schema(random.Random(seed))
+        if _needs_verifier(backend, schema):
+            out.append(Case("random", f"seed{seed}", schema, greedy=seed % 2 == 0))
+    return out, count - len(out)
 
 
 def _validates(schema: Any, value: Any) -> list[str]:
@@ -212,7 +249,8 @@ def params_for(case: Case, seed: int, args: argparse.Namespace) -> SamplingParam
         constraint: dict[str, Any] = {"tool_calls": spec}
     else:
         constraint = {"json_schema": case.schema}
-    return SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature,
+    temperature = 0.0 if case.greedy else args.temperature
+    return SamplingParams(max_new_tokens=args.max_tokens, temperature=temperature,
                           seed=seed, constraint=constraint)  # fmt: skip
 
 
@@ -241,32 +279,101 @@ def _delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) 
     return out
 
 
-def run_group(engine: Engine, group: str, cases: list[Case], args: argparse.Namespace) -> dict:
-    jobs = [(c, s) for c in cases for s in range(args.samples)]
-    prompts = [prompt_for(engine, c) for c, _ in jobs]
-    params = [params_for(c, s, args) for c, s in jobs]
+class StepMeter:
+    """Per engine step, in the step thread: the forward's seconds (``StepOutput``) and the
+    grammar step's seconds (masks, checks, accept, jump-forward) from this step's start to
+    the next's (so the update's ``advance`` counts with the step it follows). Decode steps
+    (no item still in its prompt) are kept apart: their grammar / forward ratio, measured on the
+    same thread in the same run, does not depend on the box's load."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        # decode, rows, forward s, then grammar / checker / overlapped mask-fill s
+        self.steps: list[tuple[bool, int, float, float, float, float]] = []
+        self._open: tuple[bool, int, float, float, float, float] | None = None
+        run = engine.executor.run
+
+        def metered(batch: Any) -> Any:
+            self._close()
+            g, v, o = self._grammar()
+            # Decoding (after a jump-forward an item computes its forced tokens too): no item
+            # is still in its prompt.
+            decode = bool(batch.items) and all(
+                i.req.num_computed_tokens >= i.req.num_prompt_tokens for i in batch.items
+            )
+            out = run(batch)
+            self._open = (decode, len(batch.items), out.forward_seconds, g, v, o)
+            return out
+
+        engine.executor.run = metered
+
+    def _grammar(self) -> tuple[float, float, float]:
+        step = self.engine.scheduler.appender.grammar
+        if step is None:
+            return 0.0, 0.0, 0.0
+        return step.seconds, step.verifier_seconds, step.overlapped_seconds
+
+    def _close(self) -> None:
+        if self._open is not None:
+            decode, rows, fwd, g0, v0, o0 = self._open
+            g1, v1, o1 = self._grammar()
+            self.steps.append((decode, rows, fwd, g1 - g0, v1 - v0, o1 - o0))
+            self._open = None
+
+    def take(self) -> dict[str, float]:
+        """The decode steps since the last ``take``: their count, mean rows, and grammar /
+        checker seconds (on the step thread) and the mask fills overlapped with the forward
+        (on the worker) as a share of their forward seconds."""
+        self._close()
+        decode = [s for s in self.steps if s[0]]
+        self.steps = []
+        fwd = sum(s[2] for s in decode) or float("nan")
+        return {
+            "decode_steps": len(decode),
+            "decode_rows": sum(s[1] for s in decode) / max(len(decode), 1),
+            "decode_forward_s": sum(s[2] for s in decode),
+            "decode_grammar_share": sum(s[3] for s in decode) / fwd,
+            "decode_verifier_share": sum(s[4] for s in decode) / fwd,
+            "decode_overlapped_share": sum(s[5] for s in decode) / fwd,
+        }
+
+
+def run_group(
+    engine: Engine, meter: StepMeter, group: str, cases: list[Case], args: argparse.Namespace
+) -> dict:
+    jobs = [(c, s) for c in cases for s in range(args.samples if group != "random" else 1)]
     g0, v0, e0 = _counters(engine)
+    meter.take()
     t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
+    results = []
+    for k in range(0, len(jobs), args.batch):  # batches of ``--batch`` requests
+        chunk = jobs[k : k + args.batch]
+        prompts = [prompt_for(engine, c) for c, _ in chunk]
+        results += engine.generate(prompts, [params_for(c, s, args) for c, s in chunk])
     wall = time.perf_counter() - t0
+    steps = meter.take()
     g1, v1, e1 = _counters(engine)
     outcomes = [judge(c, s, r) for (c, s), r in zip(jobs, results)]
     tokens = sum(o.tokens for o in outcomes)
     counts = Counter(o.status for o in outcomes)
+    events = _delta(e1, e0)
     return {
         "group": group,
         "schemas": [c.name for c in cases],
         "needs": sorted({k for c in cases for k in _needs(c)}),
         "n": len(outcomes),
         **{k: counts.get(k, 0) for k in ("valid", "cut", "dead_end", "invalid", "error")},
+        "rollbacks": sum(e.get("rollbacks", 0) for e in events.values()),
         "tokens": tokens,
         "wall_s": wall,
         "grammar_s": g1 - g0,
         "verifier_s": v1 - v0,
         "verifier_us_per_token": 1e6 * (v1 - v0) / max(tokens, 1),
+        "grammar_us_per_token": 1e6 * (g1 - g0) / max(tokens, 1),
         "grammar_share": (g1 - g0) / wall,
         "verifier_share": (v1 - v0) / wall,
-        "events": _delta(e1, e0),
+        **steps,
+        "events": events,
         "outcomes": [asdict(o) for o in outcomes],
     }
 
@@ -286,6 +393,13 @@ def main() -> None:
     ap.add_argument("--real", type=int, default=20, help="real schemas with --maskbench")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="requests per engine.generate call")
+    ap.add_argument(
+        "--random",
+        type=int,
+        default=0,
+        help="also a group of this many random schemas (random_schemas.py)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--smoke", action="store_true", help="tiny run: the script works")
     args = ap.parse_args()
@@ -299,26 +413,41 @@ def main() -> None:
         groups["dead_ends"] = dead_end_cases()
     if args.maskbench:
         groups["real"] = real_cases(args.maskbench, 2 if args.smoke else args.real)
+    left_out = 0
+    if args.random:
+        groups["random"], left_out = random_cases(4 if args.smoke else args.random)
     engine = Engine(None, dtype=args.dtype, num_threads=args.threads)
+    meter = StepMeter(engine)
     rows = []
     try:
         for group, cases in groups.items():
             if cases:
-                rows.append(run_group(engine, group, cases, args))
+                rows.append(run_group(engine, meter, group, cases, args))
     finally:
         engine.shutdown()
     print(f"{'group':<22} {'n':>4} {'valid':>6} {'cut':>5} {'dead':>5} {'inval':>6} "
-          f"{'err':>4} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7}  events")  # fmt: skip
+          f"{'err':>4} {'rollb':>5} {'chk us/tok':>11} {'grammar%':>9} {'verif%':>7} "
+          f"{'g/fwd%':>7} {'v/fwd%':>7} {'o/fwd%':>7}  events")  # fmt: skip
     for r in rows:
         events = ", ".join(
             f"{k}: {v['masked']}/{v['resampled']}/{v['dead_ends']}/{v.get('rollbacks', 0)}"
             for k, v in sorted(r["events"].items())
         )
         print(f"{r['group']:<22} {r['n']:>4} {r['valid']:>6} {r['cut']:>5} {r['dead_end']:>5} "
-              f"{r['invalid']:>6} {r['error']:>4} {r['verifier_us_per_token']:>11.1f} "
-              f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}%  "
-              f"{events}")  # fmt: skip
-    print("events per keyword: masked/resampled/dead_ends/rollbacks")
+              f"{r['invalid']:>6} {r['error']:>4} {r['rollbacks']:>5} "
+              f"{r['verifier_us_per_token']:>11.1f} "
+              f"{100 * r['grammar_share']:>8.1f}% {100 * r['verifier_share']:>6.1f}% "
+              f"{100 * r['decode_grammar_share']:>6.1f}% {100 * r['decode_verifier_share']:>6.1f}% "
+              f"{100 * r['decode_overlapped_share']:>6.1f}%"
+              f"  {events}")  # fmt: skip
+    if args.random:
+        print(f"random: {left_out} of {args.random} schemas left out (no verified keyword, or "
+              "refused in strict mode)")  # fmt: skip
+    print(
+        "events per keyword: masked/resampled/dead_ends/rollbacks; g/fwd, v/fwd, o/fwd: grammar"
+        " step / checker seconds on the step thread, mask fills overlapped with the forward,"
+        " over the forward's seconds, decode steps only"
+    )
     for r in rows:
         for o in r["outcomes"]:
             if o["status"] in ("invalid", "error"):
@@ -326,7 +455,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {k: str(v) for k, v in vars(args).items()}
-        args.out.write_text(json.dumps({"args": meta, "groups": rows}, indent=1))
+        doc = {"args": meta, "random_left_out": left_out, "groups": rows}
+        args.out.write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

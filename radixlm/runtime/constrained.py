@@ -5,7 +5,10 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
 
 1. ``mask``: each matcher fills its row of one persistent CPU bitmask; the ``min_new_tokens``
    suppressions of those rows are folded into the mask; one batched ``apply_token_bitmask``
-   sets the forbidden logits to ``-inf`` on the logits' device.
+   sets the forbidden logits to ``-inf`` on the logits' device. The executor calls
+   ``prefetch`` with the rows' matchers before the forward: the rows are then filled on a
+   worker thread while the model runs (the backends' fills run native code), and ``mask``
+   only waits for them.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
 3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
    schema refuses is masked and its row resampled, until one stands or none is left (a dead
@@ -16,6 +19,8 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
 
 Invariants:
 
+- While a prefetch is in flight only its worker reads those matchers and writes the bitmask:
+  every other entry (``mask``, ``verify``, ``advance``) first waits for it (``_settle``).
 - A constrained row is never left without an allowed token: a suppression that would empty it
   is dropped (EOS / stop ids are then allowed although fewer than ``min_new_tokens`` exist).
 - ``advance`` returns the tokens to append; the matcher has accepted exactly them (after the
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,9 +48,11 @@ from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
 # Redraws of one row before the likeliest allowed tokens are checked at once, _FIRST_SCAN of
-# them, twice as many each time after (all of them, at worst: a dead end).
-_MAX_REDRAWS = 16
-_FIRST_SCAN = 64
+# them, twice as many each time after (all of them, at worst: a dead end). A redraw (the
+# sampler on one row, ~0.7 ms) costs as much as ~30 prefix checks: a model that keeps
+# drawing refused tokens (a lookaround pattern it wants to break) is cheaper to scan.
+_MAX_REDRAWS = 2
+_FIRST_SCAN = 32
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 
 
@@ -90,7 +98,12 @@ class GrammarStep:
         # Tokens appended beyond one per sample (a re-tokenized sampled token counts as sampled).
         self.num_jump_forward_tokens = 0
         self.num_jump_forward_rollbacks = 0  # sampled tokens replaced by a re-tokenization
-        self.seconds = 0.0  # time spent in mask + advance (the grammar's share of the steps)
+        # Time the grammar holds up the step thread (mask, checks, accept, jump-forward): the
+        # grammar's share of the steps. Mask fills done during the forward are not in it.
+        self.seconds = 0.0
+        self.overlapped_seconds = 0.0  # mask fills run on the worker while the model ran
+        self._worker: ThreadPoolExecutor | None = None
+        self._prefetched: tuple[list[GrammarMatcher | None], Future[float]] | None = None
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
         self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
@@ -100,6 +113,39 @@ class GrammarStep:
             size = max(rows, 2 * self._bitmask.shape[0])
             self._bitmask = self.manager.allocate_bitmask(size, pin_memory=self._pin)
         return self._bitmask[:rows]
+
+    def prefetch(self, matchers: list[GrammarMatcher | None]) -> None:
+        """Start filling the bitmask rows of ``matchers`` (as ``mask`` will be called with
+        them) on the worker thread; the caller runs the forward meanwhile and must not change
+        these matchers before ``mask``."""
+        self._settle()
+        if not any(m is not None for m in matchers):
+            return
+        bitmask = self._buffer(len(matchers))
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixlm-grammar-mask")
+        future = self._worker.submit(_fill_rows, list(matchers), bitmask)
+        self._prefetched = (list(matchers), future)
+
+    def _settle(self) -> bool:
+        """Wait for an in-flight prefetch (its fill time counts as overlapped); True when it
+        filled without error."""
+        if self._prefetched is None:
+            return False
+        _, future = self._prefetched
+        self._prefetched = None
+        try:
+            self.overlapped_seconds += future.result()
+        except Exception:  # noqa: BLE001 - ``mask`` fills again on the step thread
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop the worker thread (after any in-flight prefetch)."""
+        self._settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def mask(
         self,
@@ -116,12 +162,14 @@ class GrammarStep:
         if not rows:
             return suppress
         start = time.perf_counter()
+        same = self._prefetched is not None and len(self._prefetched[0]) == len(matchers)
+        same = same and all(a is b for a, b in zip(self._prefetched[0], matchers))  # type: ignore[index]
+        filled = self._settle() and same
         bitmask = self._buffer(len(matchers))
+        if not filled:
+            _fill_rows(matchers, bitmask)
         out = list(suppress)
         for i in rows:
-            matcher = matchers[i]
-            assert matcher is not None
-            matcher.fill_bitmask(bitmask, i)
             if out[i]:
                 self._suppress(bitmask, i, out[i])
                 out[i] = []
@@ -143,6 +191,7 @@ class GrammarStep:
         ``redraw(i)`` (a fresh (token, logprob) from the masked row). ``tokens`` / ``logprobs``
         are updated in place; returns the rows left with no token (their requests fail with
         code ``DEAD_END``). ``logits`` is the step's private masked copy."""
+        self._settle()
         errors: dict[int, SampleError] = {}
         start = time.perf_counter()
         for i, m in enumerate(matchers):
@@ -217,6 +266,7 @@ class GrammarStep:
         """Accept the sampled ``token_id`` and jump forward; None when the grammar rejects it
         (cannot happen for a token sampled under this step's mask). ``max_growth``: how many
         tokens the request may still grow by after ``token_id``."""
+        self._settle()
         matcher = req.grammar
         assert matcher is not None
         start = time.perf_counter()
@@ -231,3 +281,12 @@ class GrammarStep:
         self.num_jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
         self.num_jump_forward_rollbacks += jf.num_rollback
         return Advance(tokens, kept, jf.must_stop or matcher.is_terminated())
+
+
+def _fill_rows(matchers: list[GrammarMatcher | None], bitmask: torch.Tensor) -> float:
+    """Row i of ``bitmask`` from ``matchers[i]`` (constrained rows); returns the seconds."""
+    start = time.perf_counter()
+    for i, m in enumerate(matchers):
+        if m is not None:
+            m.fill_bitmask(bitmask, i)
+    return time.perf_counter() - start

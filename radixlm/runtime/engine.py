@@ -361,6 +361,8 @@ class Engine:
             self.runner.shutdown()
         if self.parts.grammar is not None:
             self.parts.grammar.shutdown()
+        if self.scheduler.appender.grammar is not None:
+            self.scheduler.appender.grammar.close()
 
     def _close_hicache(self) -> None:
         """Write the tree's pages the tier lacks back to it (a restart finds them) and wait

@@ -244,6 +244,9 @@ class Executor:
         fb, sample_row, lp_positions = build_forward_batch(
             batch, self.page_table, self.runner.page_size, self.device
         )
+        if self.grammar is not None and not any(item.draft for item in batch.items):
+            # One row per sample, masked by its request's matcher: filled during the forward.
+            self.grammar.prefetch([s.req.grammar for s in batch.samples])
         logits = self.runner.forward(fb)  # [R, V] float32
         if batch.page_copies:
             src, dst = zip(*batch.page_copies)

@@ -101,6 +101,47 @@ def test_mask_folds_suppression_but_never_empties_a_row():
     assert is_token_allowed(mask, 2, 2) and not is_token_allowed(mask, 0, 2)
 
 
+class _SlowTokens(_OnlyTokens):
+    """Fills its row slowly, recording the thread it filled on."""
+
+    threads: list[str] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import threading
+        import time
+
+        time.sleep(0.01)
+        self.threads.append(threading.current_thread().name)
+        super().fill_bitmask(bitmask, row)
+
+
+def test_prefetched_rows_are_filled_on_the_worker_and_masked_the_same():
+    """``prefetch`` fills the rows on the worker thread (overlapped time); ``mask`` with the
+    same matchers only applies them; with other matchers it fills again on the caller."""
+    from radixlm.runtime.constrained import GrammarStep
+
+    class _Mgr:
+        def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
+            return allocate_bitmask(rows, 64)
+
+    step = GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
+    matchers = [_SlowTokens([3, 9]), None]
+    step.prefetch(matchers)  # type: ignore[arg-type]
+    logits = torch.zeros(2, 64)
+    step.mask(matchers, logits, [[], []])  # type: ignore[arg-type]
+    assert torch.isfinite(logits[0]).tolist() == [t in (3, 9) for t in range(64)]
+    assert bool(torch.isfinite(logits[1]).all())
+    assert _SlowTokens.threads == ["radixlm-grammar-mask_0"]
+    assert step.overlapped_seconds >= 0.01
+    other = [_SlowTokens([4]), None]
+    step.prefetch(matchers)  # type: ignore[arg-type]
+    logits = torch.zeros(2, 64)
+    step.mask(other, logits, [[], []])  # type: ignore[arg-type]
+    assert torch.isfinite(logits[0]).tolist() == [t == 4 for t in range(64)]
+    assert _SlowTokens.threads[-1] == "MainThread"
+    step.close()
+
+
 @pytest.mark.parametrize("impl", ["xgrammar", "torch"])
 def test_mask_works_on_inference_tensors(monkeypatch, impl):
     """The runner returns logits made under inference_mode; both apply paths mask them."""
@@ -136,12 +177,13 @@ def test_sampler_logprobs_come_from_the_raw_logits():
     assert out.top_logprobs[0][0][0] == 3  # the raw distribution's favourite, masked or not
 
 
-def test_verify_scans_the_likeliest_tokens_after_sixteen_redraws():
+def test_verify_scans_the_likeliest_tokens_after_a_few_redraws():
     """A string that must start with "z" (a lookaround: the verifier's), the model preferring
-    19 other letters and then, below "z", 72 more refused characters: 16 refused redraws, then
-    one scan of the likeliest 64 masks the refused among them and finds "z", which the next
-    draw takes; the unlikely ones are never checked (still allowed in the row)."""
-    from radixlm.runtime.constrained import GrammarStep
+    19 other letters and then, below "z", 72 more refused characters: ``_MAX_REDRAWS``
+    refused redraws, then one scan of the likeliest ``_FIRST_SCAN`` masks the refused among
+    them and finds "z", which the next draw takes; the unlikely ones are never checked (still
+    allowed in the row)."""
+    from radixlm.runtime.constrained import _FIRST_SCAN, _MAX_REDRAWS, GrammarStep
     from radixlm.runtime.grammar.base import get_backend
     from radixlm.runtime.grammar.manager import GrammarManager
     from radixlm.runtime.grammar.vocab import TokenVocab
@@ -168,6 +210,8 @@ def test_verify_scans_the_likeliest_tokens_after_sixteen_redraws():
     assert step.verify([m], logits, tokens, [None], redraw) == {}
     assert tokens == [ord("z")]
     stats = step.verifier_stats["pattern"]
-    assert (stats.masked, stats.resampled) == (17, 17)
-    # "z" and the 10 least likely, below the 17 drawn and the 64 scanned, are left unmasked.
-    assert int(torch.isfinite(logits[0]).sum()) == len(order) - 17 - 64 + 1
+    drawn = _MAX_REDRAWS + 1
+    assert drawn + _FIRST_SCAN < order.index(b"z") + 62  # "z" is among the scanned
+    assert (stats.masked, stats.resampled) == (drawn, drawn)
+    # "z" and the least likely, below the ones drawn and the ones scanned, are left unmasked.
+    assert int(torch.isfinite(logits[0]).sum()) == len(order) - drawn - _FIRST_SCAN + 1

@@ -44,8 +44,9 @@ class Hooks(Protocol):
         """``value`` may refuse a value at ``nodes`` (a relaxed keyword applies there)."""
         ...
 
-    def checks_key(self, nodes: Nodes) -> bool:
-        """``key`` / ``key_prefix`` may refuse a key of an object at ``nodes``."""
+    def checks_own(self, nodes: Nodes) -> bool:
+        """A value at ``nodes`` may be refused when it completes although every value
+        inside it passed its own checks (``SchemaVerifier.refuses_own``)."""
         ...
 
 
@@ -109,7 +110,45 @@ def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> S
             return inside
     text, pending = decode_partial(state.pending + data)
     out = advance(replace(state, pending=b""), text, hooks, root)
-    return replace(out, pending=pending) if isinstance(out, ScanState) else out
+    if not isinstance(out, ScanState):
+        return out
+    sc = out.scalar
+    if pending and sc is not None and sc.kind == "string" and sc.prefix_check and not sc.escape:
+        # An incomplete character inside a checked string: refused when no character it can
+        # complete to continues the text (else every continuation is a dead end).
+        prefix = _decoded_prefix(out.text[sc.start + 1 :])
+        if prefix is not None:
+            check = hooks.key_prefix if sc.key else hooks.string_prefix
+            keyword = None
+            for ch in utf8_completions(pending):
+                keyword = check(sc.nodes, prefix + ch)
+                if keyword is None:
+                    break
+            if keyword is not None:
+                return keyword
+    return replace(out, pending=pending)
+
+
+def utf8_completions(pending: bytes, most: int = 64) -> list[str]:
+    """Characters that the incomplete UTF-8 sequence ``pending`` can complete to: all of them
+    when there are at most ``most`` (one continuation byte missing), else ``most`` spread
+    over the range (a refusal is then over-strict for a pattern that admits only characters
+    between them; whole-character tokens are still checked exactly)."""
+    lead = pending[0]
+    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    missing = size - len(pending)
+    if missing <= 0:
+        return []
+    total = 64**missing
+    step = max(1, total // most)
+    out = []
+    for k in range(0, total, step):
+        tail = bytes(0x80 + (k >> (6 * (missing - 1 - j)) & 0x3F) for j in range(missing))
+        try:
+            out.append((pending + tail).decode("utf-8"))
+        except UnicodeDecodeError:
+            continue  # overlong, surrogate or past U+10FFFF
+    return out
 
 
 def _inside_string(
@@ -160,27 +199,21 @@ def advance_value(
 
 
 def open_checked(state: ScanState, hooks: Hooks) -> int | None:
-    """The start (an offset in ``state.text``) of the innermost open value whose completion
-    ``hooks`` may still refuse: a checked value or key, an item of an array that keeps its items
-    (``uniqueItems``), a string with a prefix check; None when every open value is past its
-    checks. A refusal met later can only come from that value or an enclosing one."""
-    stack = state.stack
-    sc = state.scalar
-    if sc is not None and sc.kind != "literal":  # a literal was checked at its first letter
-        top = stack[-1] if stack else None
-        if sc.key:
-            checked = hooks.checks_key(sc.nodes)
-        else:
-            item = top is not None and top.array and hooks.keeps_items(top.nodes)
-            checked = sc.prefix_check or item or hooks.checks_value(sc.nodes)
-        if checked:
-            return sc.start
-    for i in range(len(stack) - 1, -1, -1):
-        frame = stack[i]
-        parent = stack[i - 1] if i else None
-        item = parent is not None and parent.array and hooks.keeps_items(parent.nodes)
-        if item or hooks.checks_value(frame.nodes):
+    """The start (an offset in ``state.text``) of the outermost open value whose completion
+    ``hooks`` may refuse on account of its own keywords (``hooks.checks_own``: an array with
+    ``uniqueItems``, an object with ``propertyNames``, a value under ``not`` / ``if`` /
+    ``oneOf``, a string with a prefix check, ...); None when there is none. Every open value
+    that starts before it completes only through checks of values inside it, each named at
+    its own position, so a refusal met later can be undone by taking back text after that
+    start. Monotone: as text is appended the offset never decreases (the values outside it
+    cannot refuse, and the next such value starts after it ends)."""
+    for frame in state.stack:
+        if hooks.checks_own(frame.nodes):
             return frame.start
+    sc = state.scalar
+    if sc is not None and not sc.key and sc.kind != "literal":  # literals: checked at once
+        if sc.prefix_check or hooks.checks_own(sc.nodes):
+            return sc.start
     return None
 
 

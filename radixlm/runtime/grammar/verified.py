@@ -21,9 +21,10 @@ Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
   whose completed values the exact schema admits; EOS is refused while the exact check of the
   end (a top-level number) fails, and ``is_completed`` says so.
 - One scanner state per accepted token: ``rollback`` and ``fork`` stay exact and cheap.
-- ``num_settled()``: the accepted tokens before the innermost open value the exact schema may
-  still refuse (``json_track.open_checked``); the tokens after it are the ones a dead end may
-  take back, so the scheduler holds them back from the client.
+- ``num_settled()``: the accepted tokens before the outermost open value the exact schema may
+  refuse by its own keywords (``json_track.open_checked``); the tokens after it are the ones a
+  dead end may take back, so the scheduler holds them back from the client. It never
+  decreases as tokens are accepted, so a held token is never one released before.
 - A dead end (no token left) is left by ``backtrack``: the last accepted token is rolled back
   and banned at its position (``check_token`` / ``accept_token`` refuse it there, naming the
   keyword of the dead end), within a budget of rollbacks per matcher. Bans live at a position
@@ -64,8 +65,8 @@ class Tracker(Protocol):
         ...
 
     def open_from(self, state: Any) -> int | None:
-        """Where (a character offset in the whole output) the innermost open value that the
-        exact schema may still refuse starts; None when there is none."""
+        """Where (a character offset in the whole output) the outermost open value that the
+        exact schema may refuse by its own keywords starts; None when there is none."""
         ...
 
     def position(self, state: Any) -> float:

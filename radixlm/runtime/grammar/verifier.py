@@ -30,9 +30,20 @@ from radixlm.runtime.grammar.disjoint import json_equal
 from radixlm.runtime.grammar.json_track import Nodes
 from radixlm.runtime.grammar.relax import VERIFY_KEY
 from radixlm.runtime.grammar.schema_facts import finite_values
-from radixlm.runtime.grammar.schema_keywords import map_subschemas, resolve_pointer
+from radixlm.runtime.grammar.schema_keywords import (
+    SCHEMA_LISTS,
+    SCHEMA_MAPS,
+    SCHEMA_VALUES,
+    map_subschemas,
+    resolve_pointer,
+)
 
 _MAX_EXPAND = 64
+_MAX_CACHED_SPAN = 256  # longer value texts are validated every time
+_MAX_CACHED_VALUES = 4096  # the value cache is emptied when it reaches this size
+_MAP_KEYS = frozenset({*SCHEMA_MAPS, "dependencies"})
+_SUBSCHEMA_KEYS = frozenset({*SCHEMA_MAPS, *SCHEMA_VALUES, *SCHEMA_LISTS, "items",
+                             "dependencies"})  # fmt: skip
 
 
 class SchemaVerifier:
@@ -44,6 +55,9 @@ class SchemaVerifier:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
         self._tainted: dict[int, bool] = {}
+        self._own: dict[int, bool] = {}
+        # (ids of the checked schema objects, value text) -> the refusing keyword or None
+        self._values: dict[tuple[tuple[int, ...], str], str | None] = {}
         self._validators: dict[int, Any] = {}
         self.root: Nodes = self._expand(schema)
 
@@ -133,8 +147,25 @@ class SchemaVerifier:
     def checks_value(self, nodes: Nodes) -> bool:
         return any(self.tainted(n) for n in nodes)
 
-    def checks_key(self, nodes: Nodes) -> bool:
-        return any("propertyNames" in n.get(VERIFY_KEY, ()) for n in nodes)
+    def refuses_own(self, node: Any) -> bool:
+        """A value at ``node`` may be refused when it completes although every value inside
+        it passed its own checks: ``node`` carries a relaxed keyword, or a subschema holding
+        one applies somewhere ``child`` cannot name (``anyOf`` / ``oneOf`` branches, ``not``,
+        ``if`` / ``then`` / ``else``, ``contains``, ``unevaluated*``, a ``patternProperties``
+        pattern the ``regex`` package cannot read, ...). Otherwise ``value`` can refuse it
+        only through a child at a named position, which was checked when it completed."""
+        key = id(node)
+        if key not in self._own:
+            self._own[key] = isinstance(node, dict) and (
+                VERIFY_KEY in node
+                or "$dynamicRef" in node
+                or "$recursiveRef" in node
+                or any(self.tainted(s) for s in _unnamed_subschemas(node))
+            )
+        return self._own[key]
+
+    def checks_own(self, nodes: Nodes) -> bool:
+        return any(self.refuses_own(n) for n in nodes)
 
     def keeps_items(self, nodes: Nodes) -> bool:
         return any(n.get("uniqueItems") is True and VERIFY_KEY in n for n in nodes)
@@ -181,12 +212,22 @@ class SchemaVerifier:
         checked = [n for n in nodes if self.tainted(n)]
         if not checked:
             return None
+        # The answer depends only on the schema objects and the text: the rows of a batch
+        # under one schema (and the candidates a scan tries) often complete the same values.
+        key = (tuple(id(n) for n in checked), span) if len(span) <= _MAX_CACHED_SPAN else None
+        if key is not None and key in self._values:
+            return self._values[key]
         instance = json.loads(span)
+        refusal = None
         for n in checked:
             refusal = self._refusal(n, instance)
             if refusal is not None:
-                return refusal
-        return None
+                break
+        if key is not None:
+            if len(self._values) >= _MAX_CACHED_VALUES:
+                self._values.clear()
+            self._values[key] = refusal
+        return refusal
 
     def string_prefix(self, nodes: Nodes, text: str) -> str | None:
         for n in nodes:
@@ -210,6 +251,29 @@ def _partial(pattern: str, text: str) -> bool | None:
     ``regex`` package cannot read it (the completed string is checked anyway)."""
     compiled = _compiled(pattern)
     return None if compiled is None else compiled.search(text, partial=True) is not None
+
+
+# Where ``child`` (and ``_expand``) find the subschemas that apply to a value's children:
+# those are checked at the children's own positions. ``$defs`` apply only through a ``$ref``.
+_NAMED = frozenset({"properties", "additionalProperties", "prefixItems", "allOf", "$defs",
+                    "definitions"})  # fmt: skip
+
+
+def _unnamed_subschemas(n: dict[str, Any]) -> list[Any]:
+    """The direct subschemas of ``n`` that apply where ``child`` cannot name the position."""
+    out: list[Any] = []
+    for key, value in n.items():
+        if key in _NAMED or key not in _SUBSCHEMA_KEYS:
+            continue
+        if key == "items" and isinstance(value, dict):
+            continue
+        if key == "patternProperties" and isinstance(value, dict):
+            out += [sub for p, sub in value.items() if _compiled(p) is None]
+            continue
+        values = value.values() if isinstance(value, dict) and key in _MAP_KEYS else [value]
+        for v in values:
+            out += v if isinstance(v, list) else [v]
+    return out
 
 
 def _name_pattern(n: dict[str, Any]) -> str | None:

@@ -318,13 +318,21 @@ def _walked(schema: Any, text: str, kind: str = "json_schema") -> Any:
     return m
 
 
-def test_settled_tokens_end_at_the_innermost_open_value_the_verifier_may_refuse() -> None:
+# The root refuses on its own (``not`` of a property's value): a dead end at its end may need
+# any of its tokens back, the key before an inner checked value included.
+ROOT_NOT = {**TAGS, "additionalProperties": False,
+            "not": {"properties": {"n": {"const": 1}}, "required": ["n"]}}  # fmt: skip
+
+
+def test_settled_tokens_end_at_the_outermost_open_value_the_verifier_may_refuse() -> None:
     """What a dead end may take back (and the scheduler holds back from the client): from the
-    start of the open item of a ``uniqueItems`` array, else of the array, else of the root
-    (its subtree holds the keyword, so ``jsonschema`` checks it at its end)."""
+    start of the outermost open value that may be refused by its own keywords. In ``TAGS``
+    that is the ``uniqueItems`` array (the root's subtree holds the keyword, but only at a
+    position the verifier names, checked when the array ends): held from ``[``, its items
+    included, until it closes."""
     text = '{"n":1,"tags":["a","b'
     m = _walked(TAGS, text)
-    assert m.num_settled() == text.index('"b')
+    assert m.num_settled() == text.index("[")
     assert m.accept_token(ord('"'))
     assert m.num_settled() == text.index("[")
     assert m.accept_tokens(list(b"]}"))
@@ -334,7 +342,24 @@ def test_settled_tokens_end_at_the_innermost_open_value_the_verifier_may_refuse(
             "tools": [{"name": "f", "parameters": TAGS}]}  # fmt: skip
     call = call_begin("f") + text
     m = _walked(json.dumps(spec), call, kind="tool_calls")
-    assert m.num_settled() == call.index('"b')
+    assert m.num_settled() == call.index("[")
+
+
+def test_settled_tokens_never_decrease_and_hold_a_root_that_refuses_on_its_own() -> None:
+    """``ROOT_NOT``: the root itself may be refused at its end, so nothing is settled before
+    it ends (the innermost rule released ``{"n":2,"tags":`` inside the array, and a dead end
+    at ``}`` that needs another key could not be left). Monotone along every prefix."""
+    for schema, text in [(ROOT_NOT, '{"n":2,"tags":["a","b"]}'),
+                         (TAGS, '{"n":1,"tags":["a","b"]}')]:  # fmt: skip
+        m = _walked(schema, "")
+        settled = []
+        for byte in text.encode():
+            assert m.accept_token(byte), chr(byte)
+            settled.append(m.num_settled())
+        assert settled == sorted(settled)
+        if schema is ROOT_NOT:
+            assert settled[:-1] == [0] * (len(text) - 1)
+        assert settled[-1] == len(text)
 
 
 def test_backtrack_rolls_back_and_bans_the_token_at_its_position() -> None:
@@ -350,3 +375,33 @@ def test_backtrack_rolls_back_and_bans_the_token_at_its_position() -> None:
     m.rollback(2)  # back before the ban's position: the ban is forgotten
     assert m.accept_tokens(list(b'"a'))
     assert m.backtrack(0, "uniqueItems", budget=1) == 0  # the budget is spent
+
+
+def test_an_incomplete_character_is_refused_when_no_completion_can_continue_the_pattern() -> None:
+    """A token ending inside a UTF-8 character, in a string with a prefix check: refused when
+    none of the characters it can complete to continues the text (every continuation would be
+    a dead end), kept when one can (``é`` = C3 A9 under ``[a-zé]``)."""
+    ascii_only = {"type": "string", "pattern": "^(?!x)[a-z]{1,3}$"}
+    m = _walked(ascii_only, '"ab')
+    assert m.check_token(0xC3) == "pattern"
+    assert m.check_token(ord("c")) is None
+    accented = {"type": "string", "pattern": "^(?!x)[a-zé]{1,3}$"}
+    m = _walked(accented, '"ab')
+    assert m.check_token(0xC3) is None
+    assert m.accept_token(0xC3) and m.check_token(0xA9) is None
+    assert m.check_token(0xA8) == "pattern"  # è: not in the class
+
+
+def test_a_completed_value_is_validated_once_per_schema_position(monkeypatch) -> None:
+    """The verdict on a value text at a position is cached: the same answers, one
+    ``jsonschema`` validation for each distinct (position, text)."""
+    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(ROOT_NOT)))
+    calls: list[Any] = []
+    refusal = SchemaVerifier._refusal
+    monkeypatch.setattr(SchemaVerifier, "_refusal",
+                        lambda self, n, i: calls.append(i) or refusal(self, n, i))  # fmt: skip
+    tags = v.child(v.root, "tags")
+    answers = [v.value(tags, text) for text in ('["a","a"]', '["a","b"]', '["a","a"]')]
+    assert answers == ["uniqueItems", None, "uniqueItems"]
+    assert calls == [["a", "a"], ["a", "b"]]
+    assert v.value(v.root, '{"n":1}') == "not" and v.value(v.root, '{"n":2}') is None

@@ -209,3 +209,36 @@ def test_retraction_caches_no_held_token_and_the_rollback_still_completes():
     assert stats(s, "uniqueItems") == (4, 4)  # each: "ab" then "ac" turn out used
     assert s.pool.num_held == 0
     s.check_integrity()
+
+
+# The root refuses any "a" (its own ``not``), found only at its end; "a"'s value is checked
+# too (its own ``not``), so the rule "hold the innermost open checked value" released
+# ``{"a":`` while that value was open, and the dead end at the root's end could not be left.
+ENCLOSING = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 1, "maximum": 2, "not": {"const": 2}},
+                   "c": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "additionalProperties": False, "minProperties": 1,
+    "not": {"properties": {"a": {"minimum": 0}}, "required": ["a"]},
+}  # fmt: skip
+
+
+def test_a_dead_end_of_an_enclosing_value_rolls_back_into_text_held_from_its_start():
+    """The root may be refused by its own keyword, so everything is held from its ``{``: the
+    dead ends after ``{"a":1`` walk back through the inner value and the key, ban ``a``, and
+    ``{"c":0}`` completes; the stream equals the final text and nothing was released early."""
+    runner = ScriptedRunner('{"a":1', fallback='}",:ac0123456789')
+    s = make(runner, max_rollbacks=64)
+    r, deltas = submit(s, ENCLOSING)
+    held = run(s, watch=r)
+    out = spell(r.output_token_ids)
+    assert r.finish_reason == "stop", (r.finish_reason, r.error)
+    jsonschema.validate(json.loads(out), ENCLOSING)
+    assert out == '{"c":0}'
+    assert streamed(deltas) == r.output_token_ids
+    assert all(not d.text for d in deltas[:-1])  # held to the end: the root may refuse
+    dead_ends, rollbacks = stats(s, "not")
+    assert dead_ends == rollbacks > 0
+    assert min(held) > 0
+    assert s.pool.num_held == 0
+    s.check_integrity()
