@@ -5,8 +5,9 @@
 //   (32 bf16 a step), then one transpose-and-add tree for their 16 horizontal sums; the 16 rows
 //   are one contiguous run of memory.
 // - M > 1 rows: tiles of R inputs x G outputs (R * G <= 16 accumulators; per 32 columns G weight
-//   loads and R input loads for R * G vdpbf16ps), the same transpose-and-add tree; past 8 rows a
-//   group of 2 output rows is streamed once and read again from L1 for the next 8 inputs.
+//   loads and R input loads for R * G vdpbf16ps), the same transpose-and-add tree: G = 8 for two
+//   rows, else G = 2 (measured no slower than 16 / R, noisy), up to 8 inputs a tile; past 8 rows
+//   a group of 2 output rows is streamed once and read again from L1 for the next 8 inputs.
 // fp32 accumulation, the bias added in fp32, one rounding to bf16 (as oneDNN's bf16 linear does).
 
 #include <ATen/Parallel.h>
@@ -133,9 +134,9 @@ TileFn tile_for(int64_t r) {
   }
 }
 
-// Inputs are taken up to 8 at a time: M <= 8 rows in one tile of M x 16 / M; more rows in
-// tiles of 8 x 2 (and a tail tile), all of one group of 2 output rows before the next group, so
-// that the group's weight is streamed from memory once and read again from L1.
+// Inputs are taken up to 8 at a time: tiles of min(M, 8) x G (and a tail tile), all of one
+// group of G output rows before the next group, so that the group's weight is streamed from
+// memory once and read again from L1.
 constexpr int64_t PASS_ROWS = 8;
 
 template <int G>
@@ -161,9 +162,6 @@ void gemm_few_rows(const uint16_t* x, const uint16_t* w, const float* bias, uint
                    int64_t M, int64_t N, int64_t K) {
   switch (M) {
     case 2: return gemm_groups<8>(x, w, bias, y, M, N, K);
-    case 3: return gemm_groups<5>(x, w, bias, y, M, N, K);
-    case 4: return gemm_groups<4>(x, w, bias, y, M, N, K);
-    case 5: return gemm_groups<3>(x, w, bias, y, M, N, K);
     default: return gemm_groups<2>(x, w, bias, y, M, N, K);
   }
 }
