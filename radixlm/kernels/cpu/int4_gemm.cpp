@@ -44,6 +44,20 @@ void check_int4_g32(const at::Tensor& w, const at::Tensor& sm, const char* op) {
               op, ": scales_mins [N, K / 32, 2] do not match w [N, K / 2] (K a multiple of 32)");
 }
 
+// fn(n0, nr, block weight bytes, block scales) for each block of output rows, in parallel.
+template <typename Fn>
+void for_each_block(const at::Tensor& w, const at::Tensor& sm, int64_t grain, const Fn& fn) {
+  const int64_t N = w.size(0), K = 2 * w.size(1), G = K / kGroup;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = sm.data_ptr<c10::Half>();
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kBlock;
+      fn(n0, std::min<int64_t>(kBlock, N - n0), wp + n0 * K / 2, sp + n0 * G * 2);
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 
 // Four vdpbf16ps operands of one 64-byte chunk (first 4 * nr bytes; nr < 16: masked).
@@ -157,20 +171,13 @@ at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   alignas(64) uint16_t tab[32];
   for (int i = 0; i < 32; ++i) tab[i] = c10::BFloat16(static_cast<float>(i & 15)).x;
   const __m512i table = _mm512_load_si512(tab);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half* sp = scales_mins.data_ptr<c10::Half>();
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, nr = std::min<int64_t>(kBlock, N - n0);
-      const uint8_t* wb = wp + n0 * K / 2;
-      const c10::Half* sb = sp + n0 * G * 2;
-      if (nr == kBlock) {
-        block_all_rows<true>(xp, xsum.data(), wb, sb, yp + n0, T, N, K, nr, table);
-      } else {
-        block_all_rows<false>(xp, xsum.data(), wb, sb, yp + n0, T, N, K, nr, table);
-      }
+  for_each_block(w, scales_mins, 4, [&](int64_t n0, int64_t nr, const uint8_t* wb,
+                                        const c10::Half* sb) {
+    if (nr == kBlock) {
+      block_all_rows<true>(xp, xsum.data(), wb, sb, yp + n0, T, N, K, nr, table);
+    } else {
+      block_all_rows<false>(xp, xsum.data(), wb, sb, yp + n0, T, N, K, nr, table);
     }
   });
 #else
@@ -188,30 +195,23 @@ at::Tensor int4_g32_dequantize(const at::Tensor& w, const at::Tensor& scales_min
               "int4_g32_dequantize: dtype must be bfloat16 or float32");
   const int64_t N = w.size(0), K = 2 * w.size(1), G = K / kGroup;
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half* sp = scales_mins.data_ptr<c10::Half>();
   float* op = out.data_ptr<float>();
-  const int64_t blocks = (N + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * kBlock, nr = std::min<int64_t>(kBlock, N - n0);
-      const uint8_t* wb = wp + n0 * K / 2;
-      const c10::Half* sb = sp + n0 * G * 2;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t c = 0; c < 4; ++c) {
-          const uint8_t* chunk = wb + (g * 4 + c) * 4 * nr;
-          for (int64_t j = 0; j < 2 * nr; ++j) {
-            const int64_t r = j / 2;
-            const float s = static_cast<float>(sb[g * 2 * nr + r]);
-            const float m = static_cast<float>(sb[g * 2 * nr + nr + r]);
-            const uint32_t word = chunk[2 * j] | (static_cast<uint32_t>(chunk[2 * j + 1]) << 8);
-            for (int64_t nib = 0; nib < 4; ++nib) {
-              const int64_t k = g * kGroup + c * 8 + 2 * nib + j % 2;
-              op[(n0 + r) * K + k] = s * static_cast<float>((word >> (4 * nib)) & 15) + m;
-            }
+  for_each_block(w, scales_mins, 1, [&](int64_t n0, int64_t nr, const uint8_t* wb,
+                                        const c10::Half* sb) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < 4; ++c) {
+        const uint8_t* chunk = wb + (g * 4 + c) * 4 * nr;
+        for (int64_t j = 0; j < 2 * nr; ++j) {
+          const int64_t r = j / 2;
+          const float s = static_cast<float>(sb[g * 2 * nr + r]);
+          const float m = static_cast<float>(sb[g * 2 * nr + nr + r]);
+          const uint32_t word = chunk[2 * j] | (static_cast<uint32_t>(chunk[2 * j + 1]) << 8);
+          for (int64_t nib = 0; nib < 4; ++nib) {
+            const int64_t k = g * kGroup + c * 8 + 2 * nib + j % 2;
+            op[(n0 + r) * K + k] = s * static_cast<float>((word >> (4 * nib)) & 15) + m;
           }
         }
-    }
+      }
   });
   return dtype == at::kFloat ? out : out.to(dtype);
 }
