@@ -15,7 +15,8 @@
 // Math: y[t, n] = sum_g s[n, g] * (sum_{k in g} x[t, k] q[n, k]) + m[n, g] * sum_{k in g} x[t, k]:
 // the integer weights are exact in bf16, the products and sums fp32, the scale and min applied
 // once per group in fp32, one rounding to bf16 at the end. Each weight chunk is expanded once per
-// 8 input rows (kept in registers across them). Twin: `dequantize_int4_g32` (kernels.py).
+// 8 input rows (kept in registers across them). Twin: `dequantize_int4_g32` (kernels.py), the
+// weights in fp32.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -146,7 +147,8 @@ void block_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, cons
 }  // namespace
 
 // y [T, N] bf16 = x [T, K] bf16 @ W^T, W packed as above (w uint8 [N, K / 2], scales_mins fp16
-// [N, K / 32, 2]). Any T works; the kernel is made for small T (each 8 rows re-expand W).
+// [N, K / 32, 2]). Any T: made for small T, it also beat a dequantized copy + GEMM up to 512 rows
+// (each 8 rows re-expand W).
 at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins) {
   check_int4_g32(w, scales_mins, "int4_g32_mm");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2,
@@ -186,42 +188,10 @@ at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return y;
 }
 
-// The float weight [N, K] (`dtype`: bf16 or fp32; fp32 math, one rounding) of a packed one: the
-// inputs with many rows multiply a copy made for the call.
-at::Tensor int4_g32_dequantize(const at::Tensor& w, const at::Tensor& scales_mins,
-                               at::ScalarType dtype) {
-  check_int4_g32(w, scales_mins, "int4_g32_dequantize");
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
-              "int4_g32_dequantize: dtype must be bfloat16 or float32");
-  const int64_t N = w.size(0), K = 2 * w.size(1), G = K / kGroup;
-  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  for_each_block(w, scales_mins, 1, [&](int64_t n0, int64_t nr, const uint8_t* wb,
-                                        const c10::Half* sb) {
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t c = 0; c < 4; ++c) {
-        const uint8_t* chunk = wb + (g * 4 + c) * 4 * nr;
-        for (int64_t j = 0; j < 2 * nr; ++j) {
-          const int64_t r = j / 2;
-          const float s = static_cast<float>(sb[g * 2 * nr + r]);
-          const float m = static_cast<float>(sb[g * 2 * nr + nr + r]);
-          const uint32_t word = chunk[2 * j] | (static_cast<uint32_t>(chunk[2 * j + 1]) << 8);
-          for (int64_t nib = 0; nib < 4; ++nib) {
-            const int64_t k = g * kGroup + c * 8 + 2 * nib + j % 2;
-            op[(n0 + r) * K + k] = s * static_cast<float>((word >> (4 * nib)) & 15) + m;
-          }
-        }
-      }
-  });
-  return dtype == at::kFloat ? out : out.to(dtype);
-}
-
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("int4_g32_mm(Tensor x, Tensor w, Tensor scales_mins) -> Tensor");
-  m.def("int4_g32_dequantize(Tensor w, Tensor scales_mins, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
   m.impl("int4_g32_mm", &int4_g32_mm);
-  m.impl("int4_g32_dequantize", &int4_g32_dequantize);
 }
