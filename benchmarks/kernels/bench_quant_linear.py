@@ -55,10 +55,10 @@ def build(kind: str, out_f: int, in_f: int):
     lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
     if kind.startswith("bf16"):
         return PackedLinear(lin, rows1=kind == "bf16-gemv")
-    base = kind.removesuffix("-deq").removesuffix("-torch")
+    base = kind.removesuffix("-deq").removesuffix("-torch")  # int4-g32-torch-deq
     mode, _, group = base.partition("-g")
     ours = kernels.int4_g32_supported
-    if kind.endswith("-torch"):
+    if "-torch" in kind:
         kernels.int4_g32_supported = lambda: False  # torch's int4 kernel for this module
     try:
         q = quantize_linear(lin, mode, int(group or 0))
