@@ -3,15 +3,18 @@ a kernel's layout, and the call that multiplies by it. All are torch's own ops (
 dependency):
 
 - CPU int8: `aten._weight_int8pack_mm(x, q [N, K] int8, scales [N])`, one scale per output row.
-- CPU int4: `aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [K/g, N, 2])`
-  on `aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32)`; it computes
-  `w = (q - 8) * scale + zero`, so `zero = min + 8 * scale` (our `w = q * scale + min`).
+- CPU int4 on bf16 with AVX512_BF16: radixlm's `int4_g32_mm` (`kernels/cpu/int4_gemm.cpp`) on
+  `pack_int4_g32`'s layout (groups of 32, fp16 scale and min), every row count (`INT4_G32`).
+- CPU int4 elsewhere: `aten._weight_int4pack_mm_for_cpu(x, packed, group,
+  scales_and_zeros [K/g, N, 2])` on `aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32)`;
+  it computes `w = (q - 8) * scale + zero`, so `zero = min + 8 * scale` (our `w = q * scale + min`).
 - CUDA int4: `aten._weight_int4pack_mm` on `aten._convert_weight_to_int4pack` (tinygemm, bf16),
   same zero convention. CUDA int8: `F.linear` on the int8 weight cast to the activation dtype,
   times the row scales (torch has no CUDA weight-only int8 GEMM).
 
-The C++ layer stack (`radixlm/kernels/cpu/decoder.cpp`) calls the same two CPU ops on the same
-packed tensors, telling them apart by the weight's dtype (int8 / uint8).
+The C++ layer stack (`radixlm/kernels/cpu/decoder.cpp`) calls the same CPU ops on the same
+packed tensors, telling them apart by the weight's dtype (int8 / uint8) and, for uint8, the
+scales' (fp16: radixlm's int4 layout).
 """
 
 from __future__ import annotations
