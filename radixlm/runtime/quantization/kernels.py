@@ -1,6 +1,6 @@
 """Weight-only low-bit matmul kernels by (device type, bits): how a `QuantizedWeight` is packed into
-a kernel's layout, and the call that multiplies by it. All are torch's own ops (no extra
-dependency):
+a kernel's layout, and the call that multiplies by it. torch's own ops and radixlm's compiled
+int4 kernel (no extra dependency):
 
 - CPU int8: `aten._weight_int8pack_mm(x, q [N, K] int8, scales [N])`, one scale per output row.
 - CPU int4 on bf16 with AVX512_BF16: radixlm's `int4_g32_mm` (`kernels/cpu/int4_gemm.cpp`) on
