@@ -4,6 +4,9 @@ ms per `ModelRunner.forward` and the weights' resident size.
     .venv/bin/python benchmarks/kernels/bench_quant_forward.py [--threads 2] [--iters 20]
         [--modes none,int8,int4,gguf] [--lm-head int8] [--out benchmarks/results/quant_forward.json]
 
+A mode suffixed `-torch` (`gguf-torch`, `int4-torch`) runs int4 through torch's kernel instead of
+radixlm's `int4_g32_mm` (the same weights).
+
 Cases (`bench_cpu_forward.CASES`): decode steps at batch 1 / 8 / 32 / 64 over 300- or 512-token
 contexts, and a 512-token prefill; median of `--iters` after warm-up. Prints the load average and
 CPU flags: run it on a quiet box.
@@ -40,11 +43,19 @@ def main() -> None:
     print(f"load average {os.getloadavg()}, CPU flags: {cpu_flags()}, threads {args.threads}")
     model_dir = resolve_model_path(None)
     results: dict[str, dict[str, float]] = {}
+    from radixlm.runtime.quantization import kernels
+
+    ours = kernels.int4_g32_supported
     for mode in args.modes.split(","):
-        runner = ModelRunner(
-            model_dir, "bfloat16", torch.device("cpu"), CacheConfig(num_pages=4096),
-            quantization=mode, quantization_lm_head=args.lm_head,
-        )  # fmt: skip
+        if mode.endswith("-torch"):
+            kernels.int4_g32_supported = lambda: False
+        try:
+            runner = ModelRunner(
+                model_dir, "bfloat16", torch.device("cpu"), CacheConfig(num_pages=4096),
+                quantization=mode.removesuffix("-torch"), quantization_lm_head=args.lm_head,
+            )  # fmt: skip
+        finally:
+            kernels.int4_g32_supported = ours
         row = {"weight_mb": runner.weight_bytes / 1e6}
         for name, b, ctx, new in CASES:
             fb = make_batch(runner, b, ctx, new)

@@ -3,14 +3,17 @@ int8 vs int4 (group 32 / 64), per row count, with the weights streamed from memo
 layers, as one forward reads them).
 
     .venv/bin/python benchmarks/kernels/bench_quant_linear.py [--threads 2] [--iters 10]
-        [--rows 1,8,64,512] [--out benchmarks/results/quant_linear.json]
+        [--rows 1,8,64,512] [--kinds bf16,int4-g32,int4-g32-torch] [--out FILE.json]
 
 The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int8 is
-`aten._weight_int8pack_mm` (per output channel), int4 `aten._weight_int4pack_mm_for_cpu`
-(asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout;
-`-deq`: the runtime's large-row path (the weight dequantized for the call, then `F.linear`). Prints
-the CPU flags and the load average (a busy box's figures are not the CPU's); ms per 120 linears
-(median of `--iters`).
+`aten._weight_int8pack_mm` (per output channel), int4 radixlm's `int4_g32_mm` where it runs
+(AVX512_BF16, bf16) and `-torch` forces torch's `aten._weight_int4pack_mm_for_cpu` (asymmetric
+groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout, `bf16-gemv` the
+same with the compiled one-row GEMV (`gemv.cpp`) at 1 row; `-deq`: the runtime's large-row path
+(the weight dequantized for the call, then `F.linear`). The kinds alternate within each
+iteration (an A/B in one run: a busy box slows them alike). Prints the CPU flags and the load
+average; ms per 120 linears (median of `--iters`), the bytes of weights (and scales) one pass
+reads and the effective GB/s.
 """
 
 from __future__ import annotations
@@ -47,14 +50,30 @@ def build(kind: str, out_f: int, in_f: int):
     from torch import nn
 
     from radixlm.runtime.models.cpu_linear import PackedLinear
-    from radixlm.runtime.quantization import quantize_linear
+    from radixlm.runtime.quantization import kernels, quantize_linear
 
     lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
-    if kind == "bf16":
-        return PackedLinear(lin)
-    base = kind.removesuffix("-deq")
+    if kind.startswith("bf16"):
+        return PackedLinear(lin, plain=kind == "bf16-gemv")
+    base = kind.removesuffix("-deq").removesuffix("-torch")  # int4-g32-torch-deq
     mode, _, group = base.partition("-g")
-    return Path_(quantize_linear(lin, mode, int(group or 0)), dequantize=kind != base)
+    ours = kernels.int4_g32_supported
+    if "-torch" in kind:
+        kernels.int4_g32_supported = lambda: False  # torch's int4 kernel for this module
+    try:
+        q = quantize_linear(lin, mode, int(group or 0))
+    finally:
+        kernels.int4_g32_supported = ours
+    return Path_(q, dequantize=kind.endswith("-deq"))
+
+
+def weight_bytes(m) -> int:
+    """Bytes a pass over module `m` reads: its weight (and scales) in the layout it runs."""
+    q = getattr(m, "q", None)
+    if q is not None:
+        return q.qweight.nbytes + q.scales.nbytes
+    w = m.weight_plain if m.weight_plain is not None else m.packed
+    return w.nbytes if w.layout == torch.strided else m.in_features * m.out_features * 2
 
 
 class Path_:
@@ -63,6 +82,7 @@ class Path_:
 
     def __init__(self, q, dequantize: bool) -> None:
         self.q, self.in_features, self.dequantize = q, q.in_features, dequantize
+        self.out_features = q.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q
@@ -80,17 +100,6 @@ def markdown_table(results: dict[str, dict[str, float]], first: str) -> str:
     return "\n".join(lines)
 
 
-def time_ms(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
@@ -103,28 +112,50 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     kinds = args.kinds.split(",")
     print(f"cpu flags: {cpu_flags()}; threads {args.threads}; load average {os.getloadavg()}")
-    results: dict[str, dict[str, float]] = {}
     torch.manual_seed(0)
+    results: dict[str, dict[str, float]] = {k: {} for k in kinds}
+    nbytes: dict[str, dict[str, int]] = {}
     with torch.inference_mode():
-        for kind in kinds:
-            layers = [build(kind, o, i) for _ in range(LAYERS) for o, i in SHAPES]
-            head = build(kind, VOCAB, HIDDEN)
-            results[kind] = {}
-            for r in rows:
-                xs = {i: torch.randn(r, i, dtype=torch.bfloat16) for _, i in SHAPES}
-
-                def step(layers=layers, xs=xs) -> None:
-                    for m in layers:
+        mods = {k: [build(k, o, i) for _ in range(LAYERS) for o, i in SHAPES] for k in kinds}
+        heads = {k: build(k, VOCAB, HIDDEN) for k in kinds}
+        for k in kinds:
+            nbytes[k] = {
+                "layers": sum(weight_bytes(m) for m in mods[k]),
+                "lm_head": weight_bytes(heads[k]),
+            }
+        for r in rows:
+            xs = {i: torch.randn(r, i, dtype=torch.bfloat16) for _, i in SHAPES}
+            times: dict[str, dict[str, list[float]]] = {
+                k: {"layers": [], "lm_head": []} for k in kinds
+            }
+            for it in range(args.iters + 2):  # 2 warm-up rounds; kinds alternate in each round
+                for k in kinds:
+                    t = time.perf_counter()
+                    for m in mods[k]:
                         m(xs[m.in_features])
-
-                results[kind][f"layers r{r}"] = time_ms(step, args.iters)
-                x = xs[HIDDEN]
-                results[kind][f"lm_head r{r}"] = time_ms(lambda x=x, h=head: h(x), args.iters)
-            print(kind, {k: round(v, 2) for k, v in results[kind].items()}, flush=True)
+                    t1 = time.perf_counter()
+                    heads[k](xs[HIDDEN])
+                    t2 = time.perf_counter()
+                    if it >= 2:
+                        times[k]["layers"].append(t1 - t)
+                        times[k]["lm_head"].append(t2 - t1)
+            for k in kinds:
+                for part, ts in times[k].items():
+                    ms = 1000 * statistics.median(ts)
+                    results[k][f"{part} r{r}"] = ms
+                    results[k][f"{part} r{r} GB/s"] = nbytes[k][part] / ms / 1e6
+            print(
+                f"rows {r}:", {k: round(results[k][f"layers r{r}"], 2) for k in kinds}, flush=True
+            )
+    print(
+        "MB read per pass:",
+        {k: {p: round(b / 1e6, 1) for p, b in v.items()} for k, v in nbytes.items()},
+    )
     print(markdown_table(results, "kind"))
     if args.out:
         info = {"cpu_flags": cpu_flags(), "threads": args.threads, "load": os.getloadavg()}
-        args.out.write_text(json.dumps({"info": info, "ms": results}, indent=2) + "\n")
+        out = {"info": info, "ms": results, "bytes": nbytes}
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,12 @@ def _quant_summary(model) -> str:
 
     kinds = Counter(
         f"int{m.bits} {'per channel' if m.bits == 8 else f'group {m.group_size}'} from "
-        f"{m.source} by {m.kernel.name} (from {m.kernel.dequant_min_rows} rows: dequantized)"
+        f"{m.source} by {m.kernel.name}"
+        + (
+            f" (from {m.kernel.dequant_min_rows} rows: dequantized)"
+            if m.kernel.mm_dequantized is not None
+            else " (every row count)"
+        )
         for m in model.modules()
         if isinstance(m, QuantLinear)
     )

@@ -30,6 +30,7 @@ def test_every_op_is_registered() -> None:
         "store_kv",
         "pin_threads",
         "release_thread_pools",
+        "int4_g32_mm",
     ):
         assert hasattr(op, name), name
 

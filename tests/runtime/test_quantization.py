@@ -67,7 +67,11 @@ def test_int4_cpu_unpack_inverts_the_pack(n: int, k: int) -> None:
 
 @pytest.mark.parametrize("mode,group", [("int8", 0), ("int4", 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_inputs_take_the_dequantized_weight(mode, group, dtype) -> None:
+def test_large_inputs_take_the_dequantized_weight(mode, group, dtype, monkeypatch) -> None:
+    """torch's kernels (radixlm's int4 g32 kernel, off here, takes every row count)."""
+    from radixlm.runtime.quantization import kernels as qk
+
+    monkeypatch.setattr(qk, "int4_g32_supported", lambda: False)
     torch.manual_seed(4)
     lin = nn.Linear(256, 96, bias=True).to(dtype)
     q = quantize_linear(lin, mode, group)
@@ -451,3 +455,37 @@ def test_engine_serves_the_default_gguf_as_it_ships(default_model_dir) -> None:
         assert engine.runner.weight_bytes < 100e6
         text = engine.generate("The capital of France is", greedy).outputs[0].text
     assert "Paris" in text
+
+
+@pytest.mark.slow
+def test_int4_g32_kernel_generates_as_torchs_int4_on_the_default_model(
+    default_model_dir, monkeypatch
+) -> None:
+    """The default GGUF's Q4_1 blocks through radixlm's int4 kernel (`int4_gemm.cpp`) and through
+    torch's (`int4_g32_supported` off), same weights: the engine's greedy tokens agree (torch's
+    path rounds the scales and zeros to bf16, the kernel keeps the fp16 ones, so a near tie may
+    flip; the bound allows one prompt to part ways late)."""
+    from radixlm import Engine, SamplingParams
+    from radixlm.runtime.quantization import kernels as qk
+
+    if not qk.int4_g32_supported():
+        pytest.skip("the int4 g32 kernel needs the built op and AVX512_BF16")
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def generate() -> tuple[str, list[list[int]]]:
+        with Engine(quantization="gguf", device="cpu", num_threads=1, num_pages=256) as engine:
+            name = engine.runner.model.layers[0].mlp.down_proj.kernel.name
+            outs = [engine.generate(p, greedy).outputs[0].output_token_ids for p in prompts]
+        return name, outs
+
+    ours_name, ours = generate()
+    monkeypatch.setattr(qk, "int4_g32_supported", lambda: False)
+    torch_name, theirs = generate()
+    assert ours_name == qk.INT4_G32.name and torch_name == qk.KERNELS[("cpu", 4)].name
+    same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(o, t)) if a != b), len(o))
+        for o, t in zip(ours, theirs)
+    ]
+    assert same >= 0.9 * 24 * len(prompts) and min(prefix) >= 8, (prefix, ours, theirs)

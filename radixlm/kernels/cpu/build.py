@@ -31,6 +31,7 @@ SOURCES = (
     "decoder.cpp",
     "quant_ops.cpp",
     "gemv.cpp",
+    "int4_gemm.cpp",
 )
 HEADERS = ("simd.h",)  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
@@ -118,7 +119,8 @@ def load_op(verbose: bool = False) -> Any:
     Its ops: `paged_attention` (`paged_attention.cpp`); the fused layer ops `rms_norm`,
     `add_rms_norm`, `rope_`, `silu_and_mul`, `store_kv` (`fused_ops.cpp`, launchers in
     `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`); `decoder_stack`
-    (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`)."""
+    (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`);
+    `int4_g32_mm` (`int4_gemm.cpp`); `gemv_bf16` (`gemv.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

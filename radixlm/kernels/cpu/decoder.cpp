@@ -7,8 +7,9 @@
 //   h = add_rms_norm(o, residual); x = linear(silu_and_mul(linear(h)))
 // with the linears through oneDNN on prepacked weights (mkldnn::_linear_pointwise, called through
 // the dispatcher by name), or, for a linear given scales, torch's weight-only low-bit kernels on
-// the packed weight (int8: aten::_weight_int8pack_mm; uint8: aten::_weight_int4pack_mm_for_cpu,
-// group size K / scales.size(0)) plus the bias, as radixlm.runtime.quantization.QuantLinear does. What it removes is the Python between the ops: ~4 ms of a 17 ms
+// the packed weight (int8: aten::_weight_int8pack_mm; uint8 with fp16 scales: radixlm's int4_g32_mm
+// (int4_gemm.cpp); uint8 otherwise: aten::_weight_int4pack_mm_for_cpu, group size
+// K / scales.size(0)) plus the bias, as radixlm.runtime.quantization.QuantLinear does. What it removes is the Python between the ops: ~4 ms of a 17 ms
 // batch-1 SmolLM2 step (30 layers x ~15 module calls, wrappers and dispatches).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -29,6 +30,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 int64_t gemv_max_rows();
+at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v, int64_t kv_layout);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -73,7 +75,14 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
     y = at::_weight_int8pack_mm(x, w, *s);
   } else {
     TORCH_CHECK(w.scalar_type() == at::kByte, "decoder_stack: quantized weights are int8 or uint8");
-    y = at::_weight_int4pack_mm_for_cpu(x, w, x.size(1) / s->size(0), *s);
+    // radixlm's int4 layout: fp16 scales and mins [N, K / 32, 2] (torch's: [K / g, N, 2] in the
+    // activation dtype; an fp16 model's would also need K / g == N == K / 32 to look alike)
+    if (s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == w.size(0) &&
+        s->size(1) * 16 == w.size(1)) {
+      y = int4_g32_mm(x, w, *s);
+    } else {
+      y = at::_weight_int4pack_mm_for_cpu(x, w, x.size(1) / s->size(0), *s);
+    }
   }
   if (b.has_value()) y = y + *b;
   return y;

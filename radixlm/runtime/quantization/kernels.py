@@ -1,17 +1,20 @@
 """Weight-only low-bit matmul kernels by (device type, bits): how a `QuantizedWeight` is packed into
-a kernel's layout, and the call that multiplies by it. All are torch's own ops (no extra
-dependency):
+a kernel's layout, and the call that multiplies by it. torch's own ops and radixlm's compiled
+int4 kernel (no extra dependency):
 
 - CPU int8: `aten._weight_int8pack_mm(x, q [N, K] int8, scales [N])`, one scale per output row.
-- CPU int4: `aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros [K/g, N, 2])`
-  on `aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32)`; it computes
-  `w = (q - 8) * scale + zero`, so `zero = min + 8 * scale` (our `w = q * scale + min`).
+- CPU int4 on bf16 with AVX512_BF16: radixlm's `int4_g32_mm` (`kernels/cpu/int4_gemm.cpp`) on
+  `pack_int4_g32`'s layout (groups of 32, fp16 scale and min), every row count (`INT4_G32`).
+- CPU int4 elsewhere: `aten._weight_int4pack_mm_for_cpu(x, packed, group,
+  scales_and_zeros [K/g, N, 2])` on `aten._convert_weight_to_int4pack_for_cpu(q [N, K] int32)`;
+  it computes `w = (q - 8) * scale + zero`, so `zero = min + 8 * scale` (our `w = q * scale + min`).
 - CUDA int4: `aten._weight_int4pack_mm` on `aten._convert_weight_to_int4pack` (tinygemm, bf16),
   same zero convention. CUDA int8: `F.linear` on the int8 weight cast to the activation dtype,
   times the row scales (torch has no CUDA weight-only int8 GEMM).
 
-The C++ layer stack (`radixlm/kernels/cpu/decoder.cpp`) calls the same two CPU ops on the same
-packed tensors, telling them apart by the weight's dtype (int8 / uint8).
+The C++ layer stack (`radixlm/kernels/cpu/decoder.cpp`) calls the same CPU ops on the same
+packed tensors, telling them apart by the weight's dtype (int8 / uint8) and, for uint8, the
+scales' (fp16: radixlm's int4 layout).
 """
 
 from __future__ import annotations
@@ -205,6 +208,89 @@ def _mm_int4_cpu(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Te
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, x.shape[-1] // sz.shape[0], sz)
 
 
+# radixlm's own CPU int4 kernel (`kernels/cpu/int4_gemm.cpp`, AVX512_BF16): groups of 32 inputs,
+# fp16 scale and min each (Q4_1's storage), output rows in blocks of 16.
+G32, G32_BLOCK = 32, 16
+
+
+def _g32_scales_mins(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:  # [N, K/32] x2
+    """The weight's scales and mins per 32 inputs (a coarser group repeats its own), in fp16."""
+    if qw.bits != 4 or qw.group_size % G32:
+        raise ValueError(
+            f"the int4 g32 kernel takes 4-bit groups of a multiple of 32, got "
+            f"int{qw.bits} groups of {qw.group_size}"
+        )
+    rep = qw.group_size // G32
+    s, m = (t.repeat_interleave(rep, dim=1) for t in (qw.scales, qw.mins))  # type: ignore[union-attr]
+    fmax = torch.finfo(torch.float16).max
+    for name, t in (("scales", s), ("mins", m)):
+        if not bool(t.abs().le(fmax).all()):
+            raise ValueError(f"int4 {name} of {qw.source} exceed float16's range (the g32 kernel)")
+    return s.half(), m.half()
+
+
+def _g32_blocks(n: int) -> list[tuple[int, int]]:
+    return [(n0, min(n, n0 + G32_BLOCK)) for n0 in range(0, n, G32_BLOCK)]
+
+
+def pack_int4_g32(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(w uint8 [N, K/2], scales_mins fp16 [N, K/32, 2])` in `int4_gemm.cpp`'s layout: per block
+    of 16 rows (tail: nr), per group, 4 chunks of 8 inputs in which 16-bit word j holds
+    q[row j // 2, 8 chunk + 2 c + j % 2] in nibble c; a block's scales then mins per group."""
+    n, k = qw.shape
+    s, m = _g32_scales_mins(qw)
+    w_parts, sm_parts = [], []
+    for n0, n1 in _g32_blocks(n):
+        nr, g = n1 - n0, k // G32
+        q = qw.q[n0:n1].view(nr, g, 4, 4, 2)  # [row, group, chunk, nibble c, parity]
+        q = q.permute(1, 2, 0, 4, 3).reshape(-1, 2, 2)  # [..., byte of the word, nibble pair]
+        w_parts.append((q[..., 0] | q[..., 1] << 4).reshape(-1))  # low nibble first
+        sm_parts.append(torch.stack([s[n0:n1].t(), m[n0:n1].t()], dim=1).reshape(-1))
+    w = torch.cat(w_parts).view(n, k // 2)
+    return w.contiguous(), torch.cat(sm_parts).view(n, k // G32, 2).contiguous()
+
+
+def dequantize_int4_g32(w: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:  # -> [N, K] fp32
+    """The twin of `int4_g32_dequantize`: `s * q + m` from `pack_int4_g32`'s layout."""
+    n, k = w.shape[0], w.shape[1] * 2
+    g = k // G32
+    flat, sflat = w.reshape(-1), sm.reshape(-1)
+    out = []
+    for n0, n1 in _g32_blocks(n):
+        nr = n1 - n0
+        b = flat[n0 * k // 2 : n1 * k // 2].view(g, 4, nr, 2, 2)  # [group, chunk, row, par, byte]
+        q = torch.stack([b & 15, b >> 4], dim=-1).view(g, 4, nr, 2, 4)  # nibble c = 2 byte + hi
+        q = q.permute(2, 0, 1, 4, 3).reshape(nr, k).float()  # [row, group, chunk, c, parity]
+        sm_b = sflat[n0 * g * 2 : n1 * g * 2].view(g, 2, nr).float()
+        s, m = sm_b[:, 0].t(), sm_b[:, 1].t()  # [nr, G]
+        out.append(q * s.repeat_interleave(G32, 1) + m.repeat_interleave(G32, 1))
+    return torch.cat(out)
+
+
+def _pack_int4_g32(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        raise ValueError("the int4 g32 kernel takes bf16 activations on CPU")
+    return pack_int4_g32(qw)
+
+
+def _mm_int4_g32(x: torch.Tensor, w: torch.Tensor, sm: torch.Tensor) -> torch.Tensor:
+    return _g32_op().int4_g32_mm(x, w, sm)
+
+
+@functools.cache
+def _g32_op():
+    from radixlm.kernels.cpu.build import load_op
+
+    return load_op()
+
+
+@functools.cache
+def int4_g32_supported() -> bool:
+    """Whether radixlm's int4 kernel runs here (the op built with AVX512_BF16)."""
+    op = _g32_op()
+    return op is not None and bool(op.has_bf16_dot())
+
+
 CUDA_INNER_K_TILES = 8
 
 
@@ -246,7 +332,17 @@ KERNELS: dict[tuple[str, int], QuantKernel] = {
 }
 
 
-def get_kernel(device_type: str, bits: int) -> QuantKernel:
+# No dequantized path: the kernel beat a float copy made per call + GEMM at every row count
+# measured (1..512, SmolLM2's 120 linears, 1 thread; at 512 rows 1858 vs 2198 ms, loaded box;
+# bf16 prepacked 1644), so prefill runs it too (README, "Quantized weights").
+INT4_G32 = QuantKernel("radixlm int4_g32_mm", _pack_int4_g32, _mm_int4_g32, dequantize_int4_g32)
+
+
+def get_kernel(device_type: str, bits: int, dtype: torch.dtype | None = None) -> QuantKernel:
+    """The kernel for `bits` on `device_type`; CPU int4 on bf16 activations (`dtype`) takes
+    radixlm's own kernel where it runs (AVX512_BF16), else torch's."""
+    if (device_type, bits, dtype) == ("cpu", 4, torch.bfloat16) and int4_g32_supported():
+        return INT4_G32
     try:
         return KERNELS[(device_type, bits)]
     except KeyError:

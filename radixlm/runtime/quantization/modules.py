@@ -51,10 +51,12 @@ class QuantLinear(nn.Module):
         super().__init__()
         if qw.bits == 8:
             qw = requantize_per_channel_int8(qw)
-        self.kernel: QuantKernel = get_kernel(device.type, qw.bits)
+        self.kernel: QuantKernel = get_kernel(device.type, qw.bits, dtype)
         w, s = self.kernel.pack(qw, dtype, device)
         self.register_buffer("qweight", w)  # kernel layout
-        self.register_buffer("scales", s)  # int8: [N]; int4: scales and zeros [K/g, N, 2]
+        # int8: [N]; int4: torch's scales and zeros [K/g, N, 2] in `dtype`, or (radixlm's g32
+        # kernel) fp16 scales and mins [N, K/32, 2]
+        self.register_buffer("scales", s)
         self.bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
         self.out_features, self.in_features = qw.shape
         self.bits, self.group_size, self.source = qw.bits, qw.group_size, qw.source

@@ -213,20 +213,25 @@ def test_nccl_single_rank_matches_model_runner(tiny_llama_dir: Path) -> None:
         tp.shutdown()
 
 
-@pytest.mark.parametrize("mode,tol", [("int4", 1e-4), ("int8", 3e-2)])
-def test_tp2_quantized_matches_tp1(tiny_llama_dir: Path, mode: str, tol: float) -> None:
+@pytest.mark.parametrize(
+    "mode,dtype,tol",
+    [("int4", "float32", 1e-4), ("int8", "float32", 3e-2), ("int4", "bfloat16", 2e-2)],
+)
+def test_tp2_quantized_matches_tp1(tiny_llama_dir: Path, mode: str, dtype: str, tol: float) -> None:
     """Shard, then quantize: int4 groups of 32 fall inside each rank's input columns, so TP=2
-    computes with TP=1's integers and scales (equal up to the reduction order); int8's one scale
-    per output row of a row-parallel shard spans only that rank's columns (close, not equal)."""
+    computes with TP=1's integers and scales (equal up to the reduction order; bf16: radixlm's
+    int4 kernel where it runs, and bf16 partial sums); int8's one scale per output row of a
+    row-parallel shard spans only that rank's columns (close, not equal)."""
     from radixlm.config import CacheConfig
     from radixlm.kernels.forward_batch import ForwardBatch
     from radixlm.runtime.distributed.parallel_state import DistributedConfig
     from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
     from radixlm.runtime.model_runner import ModelRunner
     from radixlm.runtime.quantization import QuantLinear
+    from radixlm.runtime.quantization import kernels as qk
 
     cache = CacheConfig(page_size=4, num_pages=16)
-    args = (tiny_llama_dir, "float32", torch.device("cpu"), cache, "torch", None)
+    args = (tiny_llama_dir, dtype, torch.device("cpu"), cache, "torch", None)
     quant = dict(quantization=mode, quantization_group_size=32)
     prefill = ForwardBatch.build(
         [[1, 2, 3, 4, 5, 6], [9, 8, 7]], [0, 0], [[0, 1], [2]], [[5], [0, 1, 2]], 4, "cpu"
@@ -238,8 +243,10 @@ def test_tp2_quantized_matches_tp1(tiny_llama_dir: Path, mode: str, tol: float) 
     try:
         down = tp.model.layers[0].mlp.down_proj
         assert isinstance(down, QuantLinear) and down.group is not None
+        if dtype == "bfloat16" and qk.int4_g32_supported():
+            assert down.kernel is qk.INT4_G32
         got = [tp.forward(prefill), tp.forward(decode)]
     finally:
         tp.shutdown()
     for g, r in zip(got, ref):
-        assert ((g - r).norm() / r.norm()).item() < tol
+        assert ((g.float() - r.float()).norm() / r.float().norm()).item() < tol
