@@ -462,9 +462,11 @@ def test_int4_g32_kernel_generates_as_torchs_int4_on_the_default_model(
     default_model_dir, monkeypatch
 ) -> None:
     """The default GGUF's Q4_1 blocks through radixlm's int4 kernel (`int4_gemm.cpp`) and through
-    torch's (`int4_g32_supported` off), same weights: the engine's greedy tokens agree (torch's
-    path rounds the scales and zeros to bf16, the kernel keeps the fp16 ones, so a near tie may
-    flip; the bound allows one prompt to part ways late)."""
+    torch's (`int4_g32_supported` off), same weights: the engine's greedy tokens agree for the
+    first 8 tokens of every prompt, and teacher-forced on torch's greedy sequences the two give
+    the same log-probabilities up to rounding (torch's path rounds the scales and zeros to bf16,
+    the kernel keeps the fp16 ones, so where greedy paths part after a near tie is not a
+    property of either kernel)."""
     from radixlm import Engine, SamplingParams
     from radixlm.runtime.quantization import kernels as qk
 
@@ -472,20 +474,27 @@ def test_int4_g32_kernel_generates_as_torchs_int4_on_the_default_model(
         pytest.skip("the int4 g32 kernel needs the built op and AVX512_BF16")
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    forced = SamplingParams(max_new_tokens=1, temperature=0.0, logprob_start_len=0)
 
-    def generate() -> tuple[str, list[list[int]]]:
+    def generate(sequences: list[list[int]] | None):
         with Engine(quantization="gguf", device="cpu", num_threads=1, num_pages=256) as engine:
             name = engine.runner.model.layers[0].mlp.down_proj.kernel.name
-            outs = [engine.generate(p, greedy).outputs[0].output_token_ids for p in prompts]
-        return name, outs
+            ids = [engine.tokenize(p) for p in prompts]
+            outs = [engine.generate(i, greedy).outputs[0].output_token_ids for i in ids]
+            seqs = sequences or [i + o for i, o in zip(ids, outs)]
+            lps = [engine.generate(q, forced).prompt_logprobs[1:] for q in seqs]
+        return name, outs, seqs, lps
 
-    ours_name, ours = generate()
     monkeypatch.setattr(qk, "int4_g32_supported", lambda: False)
-    torch_name, theirs = generate()
+    torch_name, theirs, seqs, their_lps = generate(None)
+    monkeypatch.undo()
+    ours_name, ours, _, our_lps = generate(seqs)
     assert ours_name == qk.INT4_G32.name and torch_name == qk.KERNELS[("cpu", 4)].name
-    same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
     prefix = [
         next((i for i, (a, b) in enumerate(zip(o, t)) if a != b), len(o))
         for o, t in zip(ours, theirs)
     ]
-    assert same >= 0.9 * 24 * len(prompts) and min(prefix) >= 8, (prefix, ours, theirs)
+    assert min(prefix) >= 8, (prefix, ours, theirs)
+    diffs = [abs(a - b) for o, t in zip(our_lps, their_lps) for a, b in zip(o, t)]
+    mean = sum(diffs) / len(diffs)
+    assert mean < 0.05 and max(diffs) < 1.0, (mean, max(diffs))  # measured: 0.024, 0.20
