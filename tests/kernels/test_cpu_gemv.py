@@ -50,10 +50,20 @@ def test_gemv_rows_do_not_depend_on_the_batch(n, k):
         assert torch.equal(op.gemv_bf16(x, w, b), alone), m
 
 
+def test_gemv_of_no_rows_is_empty():
+    """A step with no rows to project (a prefill chunk that wants no logits) gets [0, N]."""
+    out = cpu_linear._gemv_op().gemv_bf16(
+        torch.zeros(0, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), torch.zeros(4).bfloat16()
+    )
+    assert out.shape == (0, 4)
+    lin = PackedLinear(nn.Linear(8, 4).to(torch.bfloat16), plain=True)
+    assert lin(torch.zeros(0, 8).bfloat16()).shape == (0, 4)
+
+
 def test_gemv_refuses_bad_shapes():
     op = cpu_linear._gemv_op()
     with pytest.raises(RuntimeError, match=r"\[M, K\]"):
-        op.gemv_bf16(torch.zeros(0, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), None)
+        op.gemv_bf16(torch.zeros(2, 3, 8).bfloat16(), torch.zeros(4, 8).bfloat16(), None)
     with pytest.raises(RuntimeError, match=r"\[N, K\]"):
         op.gemv_bf16(torch.zeros(2, 8).bfloat16(), torch.zeros(4, 9).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bf16"):
@@ -112,3 +122,26 @@ def test_runner_logits_with_the_gemv(make_tiny_model, monkeypatch, runner_logits
         assert stack is not None and len(stack.plain) == (4 * 2 if on else 0)
         logits[on] = runner_logits(runner, (7, 20, 1, 1, 1), 4)
     torch.testing.assert_close(logits[True], logits[False], atol=5e-2, rtol=5e-2)
+
+
+def test_bf16_engine_with_chunked_prefill_takes_the_gemv(make_tiny_model):
+    """A bf16 engine whose prompts span several prefill chunks: the chunks that want no logits
+    send 0 rows to the LM head (the GEMV returns [0, N]), the decode steps 1-3 rows; every
+    request finishes with its tokens (a 0-row step once failed the whole batch)."""
+    from radixlm import Engine, SamplingParams
+
+    model_dir = make_tiny_model("llama", 11, hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+    engine = Engine(
+        str(model_dir), dtype="bfloat16", attention_backend="cpu", num_pages=64, page_size=16,
+        chunked_prefill_size=16, num_threads=1, device="cpu",
+    )  # fmt: skip
+    with engine:
+        assert any(
+            getattr(m, "weight_plain", None) is not None for m in engine.runner.model.modules()
+        )
+        prompts = [[(i * 7919 + j) % 900 + 5 for i in range(40 + 9 * j)] for j in range(3)]
+        params = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+        outs = engine.generate(prompts, params)
+    assert [len(o.outputs[0].output_token_ids) for o in outs] == [5, 5, 5]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)

@@ -178,12 +178,12 @@ int64_t gemv_max_rows() { return kGemvMaxRows; }
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "gemv_bf16: bf16 x and w");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.is_contiguous(),
-              "gemv_bf16: x must be a contiguous [M, K], M >= 1");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gemv_bf16: x must be a contiguous [M, K]");
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1),
               "gemv_bf16: w must be contiguous [N, K]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;  // a step with no rows to project (e.g. no logits wanted)
 #if defined(__AVX512BF16__)
   at::Tensor bf;
   if (b.has_value()) {
