@@ -486,6 +486,26 @@ inline void prefetch_block(const c10::BFloat16* k, const c10::BFloat16* v, int64
   }
 }
 
+// q . K for the 16 keys of a KV_PAIRS16 block (kb: its K^T pair rows) and G query heads (qp[g]:
+// each head's (d, d + 1) pairs): out[g] lane j = q_g . k_j, unscaled. Each K^T row is loaded
+// once for the G heads, two accumulator chains per head, the query pair broadcast.
+template <int G, int64_t NP>
+inline void block_dots(const uint32_t* kb, const uint32_t* const* qp, __m512* out) {
+  __m512 s0[G], s1[G];
+  for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < NP; p += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + 16 * p);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1));
+    for (int g = 0; g < G; ++g) {
+      s0[g] = _mm512_dpbf16_ps(s0[g], k0,
+                               (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])));
+      s1[g] = _mm512_dpbf16_ps(s1[g], k1,
+                               (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])));
+    }
+  }
+  for (int g = 0; g < G; ++g) out[g] = _mm512_add_ps(s0[g], s1[g]);
+}
+
 constexpr int64_t BLK_PF = 2;  // key blocks prefetched ahead
 
 // A shared-prefix item (m > 1 rows over the same pages) over KV_PAIRS16: the loop order of
@@ -532,18 +552,8 @@ void shared_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
         const uint32_t* qp[G];
         for (int g = 0; g < G; ++g)
           qp[g] = reinterpret_cast<const uint32_t*>(q + rows[r] * dm.q_s0 + (h * G + g) * dm.q_s1);
-        __m512 s0[G], s1[G];
-        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < NP; p += 2) {
-          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + 16 * p);
-          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1));
-          for (int g = 0; g < G; ++g) {
-            s0[g] = _mm512_dpbf16_ps(s0[g], k0,
-                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])));
-            s1[g] = _mm512_dpbf16_ps(s1[g], k1,
-                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])));
-          }
-        }
+        __m512 sq[G];
+        block_dots<G, NP>(kb, qp, sq);
         alignas(64) uint32_t pp[G][8];
         __m512 av[G][NV];
         for (int g = 0; g < G; ++g) {
@@ -552,7 +562,7 @@ void shared_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
           float& mg = mx[r * G + g];
           for (int v = 0; v < NV; ++v) av[g][v] = _mm512_loadu_ps(a + 16 * v);
           __m512 l = _mm512_loadu_ps(ls);
-          __m512 sv = _mm512_mul_ps(_mm512_add_ps(s0[g], s1[g]), qs);
+          __m512 sv = _mm512_mul_ps(sq[g], qs);
           if (partial) sv = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), sv);
           const float bm = _mm512_reduce_max_ps(sv);
           if (bm > mg) {
@@ -644,23 +654,13 @@ void decode_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
       // outside [kv_lo, kv_hi) are -inf).
       auto scores = [&](int64_t blk, __m512* out_s) {
         const uint32_t* kb = reinterpret_cast<const uint32_t*>(k_buf + bases[blk] + h * head_elems);
-        __m512 s0[G], s1[G];
-        for (int g = 0; g < G; ++g) s0[g] = s1[g] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < NP; p += 2) {
-          const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + 16 * p);
-          const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kb + 16 * (p + 1));
-          for (int g = 0; g < G; ++g) {
-            s0[g] = _mm512_dpbf16_ps(s0[g], k0,
-                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p])));
-            s1[g] = _mm512_dpbf16_ps(s1[g], k1,
-                                     (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[g][p + 1])));
-          }
-        }
+        __m512 sq[G];
+        block_dots<G, NP>(kb, qp, sq);
         const int64_t pos = first + 16 * blk;
         const bool partial = pos < kv_lo || pos + 16 > kv_hi;
         const __mmask16 valid = partial ? lanes_in(pos, kv_lo, kv_hi) : __mmask16(0xFFFF);
         for (int g = 0; g < G; ++g) {
-          out_s[g] = _mm512_mul_ps(_mm512_add_ps(s0[g], s1[g]), qs);
+          out_s[g] = _mm512_mul_ps(sq[g], qs);
           if (partial) out_s[g] = _mm512_mask_blend_ps(valid, _mm512_set1_ps(NEG_INF), out_s[g]);
         }
       };
