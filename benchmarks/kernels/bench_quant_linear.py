@@ -8,8 +8,8 @@ layers, as one forward reads them).
 The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int8 is
 `aten._weight_int8pack_mm` (per output channel), int4 radixlm's `int4_g32_mm` where it runs
 (AVX512_BF16, bf16) and `-torch` forces torch's `aten._weight_int4pack_mm_for_cpu` (asymmetric
-groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout, `bf16-gemv` the
-same with the compiled one-row GEMV (`gemv.cpp`) at 1 row; `-deq`: the runtime's large-row path
+groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout, `bf16-packed`
+radixlm's packed bf16 kernel (`linear_bf16.cpp`); `-deq`: the runtime's large-row path
 (the weight dequantized for the call, then `F.linear`). The kinds alternate within each
 iteration (an A/B in one run: a busy box slows them alike). Prints the CPU flags and the load
 average; ms per 120 linears (median of `--iters`), the bytes of weights (and scales) one pass
@@ -54,7 +54,7 @@ def build(kind: str, out_f: int, in_f: int):
 
     lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
     if kind.startswith("bf16"):
-        return PackedLinear(lin, plain=kind == "bf16-gemv")
+        return PackedLinear(lin, bf16_kernel=kind == "bf16-packed")
     base = kind.removesuffix("-deq").removesuffix("-torch")  # int4-g32-torch-deq
     mode, _, group = base.partition("-g")
     ours = kernels.int4_g32_supported
@@ -72,7 +72,7 @@ def weight_bytes(m) -> int:
     q = getattr(m, "q", None)
     if q is not None:
         return q.qweight.nbytes + q.scales.nbytes
-    w = m.weight_plain if m.weight_plain is not None else m.packed
+    w = m.weight_bf16 if m.weight_bf16 is not None else m.packed
     return w.nbytes if w.layout == torch.strided else m.in_features * m.out_features * 2
 
 

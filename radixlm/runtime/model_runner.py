@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -231,8 +232,8 @@ class ModelRunner:
         from radixlm.kernels.layer_ops import get_layer_ops
         from radixlm.runtime.models.cpu_linear import (
             add_lowp_copies,
-            gemv_max_rows,
-            gemv_supported,
+            bf16_kernel_supported,
+            linear_bf16_max_rows,
             onednn_available,
             pack_linears,
         )
@@ -249,10 +250,13 @@ class ModelRunner:
         model.set_layer_ops(ops)
         linears = "dense"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
-            pack_linears(model, lowp, plain=gemv_supported())
+            pack_linears(model, lowp, bf16_kernel=bf16_kernel_supported())
             linears = "onednn-prepacked"
-            if any(getattr(m, "weight_plain", None) is not None for m in model.modules()):
-                linears += f" (inputs of <= {gemv_max_rows()} rows: bf16 GEMV)"
+            if any(getattr(m, "weight_bf16", None) is not None for m in model.modules()):
+                most = linear_bf16_max_rows()
+                linears = "radixlm bf16 packed" + (
+                    "" if most >= sys.maxsize else f" (inputs of <= {most} rows; oneDNN above)"
+                )
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 
             why_not = CpuDecoderStack.unsupported_reason(model, self.attn)

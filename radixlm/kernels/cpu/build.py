@@ -30,7 +30,7 @@ SOURCES = (
     "threads.cpp",
     "decoder.cpp",
     "quant_ops.cpp",
-    "gemv.cpp",
+    "linear_bf16.cpp",
     "int4_gemm.cpp",
 )
 HEADERS = ("simd.h",)  # included by the sources: part of the build key
@@ -120,7 +120,7 @@ def load_op(verbose: bool = False) -> Any:
     `add_rms_norm`, `rope_`, `silu_and_mul`, `store_kv` (`fused_ops.cpp`, launchers in
     `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`); `decoder_stack`
     (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`);
-    `int4_g32_mm` (`int4_gemm.cpp`); `gemv_bf16` (`gemv.cpp`)."""
+    `int4_g32_mm` (`int4_gemm.cpp`); `pack_bf16_linear`, `linear_bf16` (`linear_bf16.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

@@ -5,8 +5,9 @@
 //   h = rms_norm(x) (layer 0: residual = x) | add_rms_norm(x, residual)
 //   qkv = linear(h); rope_(q, k); store_kv; paged_attention; o = linear(attn)
 //   h = add_rms_norm(o, residual); x = linear(silu_and_mul(linear(h)))
-// with the linears through oneDNN on prepacked weights (mkldnn::_linear_pointwise, called through
-// the dispatcher by name), or, for a linear given scales, torch's weight-only low-bit kernels on
+// with the bf16 linears through radixlm's packed kernel (linear_bf16.cpp) or oneDNN on prepacked
+// weights (mkldnn::_linear_pointwise, called through the dispatcher by name), or, for a linear
+// given scales, torch's weight-only low-bit kernels on
 // the packed weight (int8: aten::_weight_int8pack_mm; uint8 with fp16 scales: radixlm's int4_g32_mm
 // (int4_gemm.cpp); uint8 otherwise: aten::_weight_int4pack_mm_for_cpu, group size
 // K / scales.size(0)) plus the bias, as radixlm.runtime.quantization.QuantLinear does. What it removes is the Python between the ops: ~4 ms of a 17 ms
@@ -28,8 +29,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cos,
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
-int64_t gemv_max_rows();
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
+                       const std::optional<at::Tensor>& b, int64_t n);
+int64_t linear_bf16_max_rows();
 at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v, int64_t kv_layout);
@@ -62,13 +64,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
-// A layer linear: oneDNN-prepacked (no scales) or weight-only int8 / int4 (scales given); a
-// input of at most `gemv_max_rows()` rows with a plain bf16 copy of the weight (`plain`) takes the
-// bf16 GEMV instead.
+// A layer linear of `n` outputs: radixlm's bf16 kernel on `packed` (given: inputs of at most
+// `linear_bf16_max_rows()` rows), else oneDNN-prepacked `w` (no scales) or weight-only int8 /
+// int4 (scales given).
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
-                        const std::optional<at::Tensor>& plain) {
-  if (plain.has_value() && x.size(0) <= gemv_max_rows()) return gemv_bf16(x, *plain, b);
+                        const std::optional<at::Tensor>& packed, int64_t n) {
+  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows()) return linear_bf16(x, *packed, b, n);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
@@ -107,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
     const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
     at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout,
-    const c10::List<std::optional<at::Tensor>>& plain) {
+    const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef out_features) {
   const int64_t n = static_cast<int64_t>(ln1.size());
   TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
                   w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
@@ -115,11 +117,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
                   b_down.size() == n && s_qkv.size() == n && s_o.size() == n &&
                   s_gate_up.size() == n && s_down.size() == n,
               "decoder_stack: every per-layer list must have one entry per layer");
-  TORCH_CHECK(plain.size() == 0 || plain.size() == 4 * n,
-              "decoder_stack: plain holds 4 entries per layer (qkv, o, gate_up, down) or none");
-  auto r1 = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
-    return plain.size() ? plain.get(4 * l + j) : std::nullopt;
+  TORCH_CHECK(packed.size() == 0 || packed.size() == 4 * n,
+              "decoder_stack: packed holds 4 entries per layer (qkv, o, gate_up, down) or none");
+  TORCH_CHECK(out_features.size() == 4,
+              "decoder_stack: out_features holds the qkv, o, gate_up and down widths");
+  // (layer l, projection j): radixlm's packed bf16 weight, when there is one
+  auto pk = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
+    return packed.size() ? packed.get(4 * l + j) : std::nullopt;
   };
+  const int64_t n_qkv = out_features[0], n_o = out_features[1], n_gu = out_features[2],
+                n_down = out_features[3];
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
@@ -132,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = add_rms_norm(x, residual, ln1[l], eps);
     }
-    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), r1(l, 0));  // [T, q+2kv]
+    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), pk(l, 0), n_qkv);  // [T, q+2kv]
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: qkv width mismatch");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
@@ -145,11 +152,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
                     part_lse, page_size, scale, 0, kv_layout);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
-    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l), r1(l, 1));
+    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l), pk(l, 1),
+                                n_o);
     h = add_rms_norm(o, residual, ln2[l], eps);
     at::Tensor gate_up =
-        layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), r1(l, 2));
-    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l), r1(l, 3));
+        layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), pk(l, 2), n_gu);
+    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l), pk(l, 3),
+                     n_down);
   }
   return {x, residual};
 }
@@ -162,7 +171,8 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
       "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
       "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
-      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] plain) -> "
+      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] packed, "
+      "int[] out_features) -> "
       "(Tensor, Tensor)");
 }
 

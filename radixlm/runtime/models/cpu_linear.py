@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +21,10 @@ logger = logging.getLogger(__name__)
 
 # At most this many rows run the low-precision copy (measured crossover: 2-4 rows).
 SMALL_ROWS = 2
-# Inputs of a few rows (decode steps) take the compiled bf16 GEMV (`kernels/cpu/gemv.cpp`) over a
-# plain copy of the weight where the layer weights total at most this: measured on SmolLM2-135M's
-# 120 layer linears, 2 threads, AVX512_BF16, one row: 9.9 vs 12.8 ms (oneDNN prepacked), the
-# per-call cost of oneDNN on small matrices; the copy doubles their memory, so only small models
-# pay it.
-PLAIN_MAX_WEIGHT_BYTES = 1 << 30
+# Where radixlm's bf16 kernel runs only up to a row count (AMX CPUs: oneDNN above it), both the
+# packed copy and oneDNN's are kept, the former only where the layer weights total at most this
+# (it doubles their memory). Without AMX the packed copy is the only one.
+DUAL_MAX_WEIGHT_BYTES = 1 << 30
 MATMUL_DTYPES = ("auto", "model", "float32")
 
 
@@ -90,38 +89,44 @@ def onednn_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """`y = x @ W^T + b` by oneDNN on a weight reordered once into its blocked layout (what
-    Inductor's freezing does), the CPU compiled forward's linear. Measured against `F.linear`
-    (bf16, 2 threads, weights streamed from memory): 10.6 vs 15.0 ms for SmolLM2's 120 layer
-    linears at 1 row, 1.4 vs 3.1 ms for its LM head.
+    """`y = x @ W^T + b` on a weight reordered once (what Inductor's freezing does), the CPU
+    compiled forward's linear: bf16 weights on AVX512_BF16 CPUs through radixlm's packed kernel
+    (`kernels/cpu/linear_bf16.cpp`, `bf16_kernel=True`), for inputs of at most
+    `linear_bf16_max_rows()` rows (every count without AMX); the rest through oneDNN on its own
+    blocked layout (`mkldnn::_linear_pointwise`). Measured (bf16, 2 threads, weights streamed from
+    memory, SmolLM2's 120 layer linears): oneDNN 10.6 vs `F.linear` 15.0 ms at 1 row; radixlm's
+    kernel faster than oneDNN at every row count measured, 1 to 512 (README).
 
     With `lowp` (CPUs without native bf16 computing in fp32), inputs of at most `SMALL_ROWS`
     rows multiply a low-precision copy instead, as `SmallRowsLowpLinear` does.
-    NOTE: holds no `weight` parameter: the packed copy replaces it (the tied embedding keeps
+    NOTE: holds no `weight` parameter: the packed copies replace it (the tied embedding keeps
     its own)."""
 
     def __init__(
-        self, linear: nn.Linear, lowp: torch.dtype | None = None, plain: bool = False
+        self, linear: nn.Linear, lowp: torch.dtype | None = None, bf16_kernel: bool = False
     ) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        # radixlm's packed bf16 copy ([ceil(N / 32), ceil(K / 2), 64]), or None
+        self.weight_bf16 = (
+            _op().pack_bf16_linear(w) if bf16_kernel and w.dtype == torch.bfloat16 else None
+        )
+        self.bf16_max_rows = linear_bf16_max_rows() if self.weight_bf16 is not None else -1
+        # oneDNN's copy: only for the rows the packed kernel does not take
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+            if self.bf16_max_rows < sys.maxsize
+            else None
+        )
         self.weight_lowp = None if lowp is None else w.to(lowp)
         self.bias_lowp = None if lowp is None or self.bias is None else self.bias.to(lowp)
-        # Inputs of at most `gemv_max_rows()` rows: the compiled GEMV over the plain weight (kept,
-        # not copied: a tied LM head's is the embedding's own storage).
-        self.weight_plain = w.contiguous() if plain and w.dtype == torch.bfloat16 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if (
-            self.weight_plain is not None
-            and x.shape[0] <= gemv_max_rows()
-            and x.dtype == torch.bfloat16
-        ):
-            return _gemv_op().gemv_bf16(x.contiguous(), self.weight_plain, self.bias)
+        if x.shape[0] <= self.bf16_max_rows and x.dtype == torch.bfloat16:
+            return _op().linear_bf16(x, self.weight_bf16, self.bias, self.out_features)
         if self.weight_lowp is not None and x.shape[0] <= SMALL_ROWS:
             return F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp, self.bias_lowp).to(
                 x.dtype
@@ -129,43 +134,53 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        kind = "onednn" if self.weight_bf16 is None else "bf16 packed"
+        if self.weight_bf16 is not None and self.packed is not None:
+            kind += f" (<= {self.bf16_max_rows} rows), onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
 @functools.cache
-def _gemv_op():
+def _op():
     from radixlm.kernels.cpu.build import load_op
 
     return load_op()
 
 
 @functools.cache
-def gemv_max_rows() -> int:
-    """Inputs of at most this many rows take the GEMV (`kGemvMaxRows` in `gemv.cpp`)."""
-    op = _gemv_op()
-    return int(op.gemv_max_rows()) if op is not None else 0
+def linear_bf16_max_rows() -> int:
+    """Inputs of at most this many rows take radixlm's bf16 kernel (`linear_bf16.cpp`): every
+    count (`sys.maxsize`) on CPUs without AMX."""
+    op = _op()
+    return min(int(op.linear_bf16_max_rows()), sys.maxsize) if op is not None else 0
 
 
-def gemv_supported() -> bool:
-    """Whether the compiled bf16 GEMV runs here (the op built, AVX512_BF16)."""
-    op = _gemv_op()
+def bf16_kernel_supported() -> bool:
+    """Whether radixlm's bf16 linear runs here (the op built, AVX512_BF16)."""
+    op = _op()
     return op is not None and bool(op.has_bf16_dot())
 
 
-def pack_linears(model: nn.Module, lowp: torch.dtype | None = None, plain: bool = False) -> int:
+def pack_linears(
+    model: nn.Module, lowp: torch.dtype | None = None, bf16_kernel: bool = False
+) -> int:
     """Replace every plain `nn.Linear` of `model` (bf16 / fp32 weights) by a `PackedLinear`;
-    returns how many. Tensor-parallel linears (subclasses) keep their own forward. With `plain`
-    (the compiled GEMV runs here: `gemv_supported()`), bf16 linears keep their plain weight for
-    inputs of a few rows when those weights total at most `PLAIN_MAX_WEIGHT_BYTES`. NOTE: call after
-    the weights are loaded and tied."""
+    returns how many. Tensor-parallel linears (subclasses) keep their own forward. With
+    `bf16_kernel` (radixlm's bf16 linear runs here: `bf16_kernel_supported()`), bf16 linears are
+    packed for it; where it takes only a few rows (AMX), only when their weights total at most
+    `DUAL_MAX_WEIGHT_BYTES` (both copies are kept). NOTE: call after the weights are loaded and
+    tied."""
     found = [
         (parent, name, child)
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
         if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)
     ]
-    plain_bytes = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found)
-    keep = plain and lowp is None and plain_bytes <= PLAIN_MAX_WEIGHT_BYTES
+    keep = bf16_kernel and lowp is None
+    if keep and linear_bf16_max_rows() < sys.maxsize:
+        keep = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found) <= (
+            DUAL_MAX_WEIGHT_BYTES
+        )
     for parent, name, child in found:
-        setattr(parent, name, PackedLinear(child, lowp, plain=keep))
+        setattr(parent, name, PackedLinear(child, lowp, bf16_kernel=keep))
     return len(found)

@@ -31,7 +31,11 @@ def _stackable(m) -> bool:
 
 
 def _weight(m) -> torch.Tensor:
-    return m.qweight if hasattr(m, "qweight") else m.packed
+    """The weight the op's oneDNN / low-bit path reads (radixlm's packed bf16 copy where there is
+    no oneDNN copy: the op then never takes that path)."""
+    if hasattr(m, "qweight"):
+        return m.qweight
+    return m.packed if m.packed is not None else m.weight_bf16
 
 
 def _scales(m) -> torch.Tensor | None:  # None: the oneDNN-prepacked float linear
@@ -77,9 +81,10 @@ class CpuDecoderStack:
         self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
         self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
         self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
-        # GEMV weights (inputs of a few rows), 4 per layer (qkv, o, gate_up, down), or none at all.
-        plain = [getattr(m, "weight_plain", None) for lay in zip(*proj.values()) for m in lay]
-        self.plain = plain if all(w is not None for w in plain) else []
+        # radixlm's packed bf16 weights, 4 per layer (qkv, o, gate_up, down), or none at all.
+        packed = [getattr(m, "weight_bf16", None) for lay in zip(*proj.values()) for m in lay]
+        self.packed = packed if all(w is not None for w in packed) else []
+        self.out_features = [v[0].out_features for v in proj.values()]
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
 
@@ -153,5 +158,6 @@ class CpuDecoderStack:
             batch.page_size,
             self.scale,
             attn.kv_layout,
-            self.plain,
+            self.packed,
+            self.out_features,
         )

@@ -10,10 +10,10 @@ scheduler (`check_finished`); the output processor only formats and emits what t
 The detokenizer therefore belongs to the sequence: it is attached here and advanced only here.
 
 A verified request (its matcher can `backtrack`) holds back the tokens of the outermost open
-value the exact schema may refuse by its own keywords (`req.held`, from `matcher.num_settled()`): they are
-not released to the client until that value is settled or the sequence finishes. On a dead end
-`roll_back` takes back the last held token (the matcher bans it there), trims the sequence and
-replays the detokenizer; the scheduler then frees the pages past the shorter sequence, as after
+value the exact schema may refuse by its own keywords (`req.held`, from `matcher.num_settled()`):
+they are not released to the client until that value is settled or the sequence finishes. On a
+dead end `roll_back` takes back the last held token (the matcher bans it there), trims the
+sequence and replays the detokenizer; the scheduler then frees the pages past the shorter sequence, as after
 a rejected speculative draft. Released tokens are never rolled back.
 """
 
