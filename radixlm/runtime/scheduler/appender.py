@@ -13,8 +13,8 @@ A verified request (its matcher can `backtrack`) holds back the tokens of the ou
 value the exact schema may refuse by its own keywords (`req.held`, from `matcher.num_settled()`):
 they are not released to the client until that value is settled or the sequence finishes. On a
 dead end `roll_back` takes back the last held token (the matcher bans it there), trims the
-sequence and replays the detokenizer; the scheduler then frees the pages past the shorter sequence, as after
-a rejected speculative draft. Released tokens are never rolled back.
+sequence and replays the detokenizer; the scheduler then frees the pages past the shorter
+sequence, as after a rejected speculative draft. Released tokens are never rolled back.
 """
 
 from __future__ import annotations
