@@ -189,3 +189,41 @@ def test_bf16_engine_with_chunked_prefill_takes_the_bf16_kernel(make_tiny_model)
         outs = engine.generate(prompts, params)
     assert [len(o.outputs[0].output_token_ids) for o in outs] == [5, 5, 5]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("inter,k", [(1536, 576), (40, 33), (7, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40])
+def test_gated_equals_silu_and_mul_after_the_projection(inter, k, bias, m):
+    """Gated packing fuses SiLU-and-mul into the epilogue with the numerics of the two ops in
+    sequence: bit-identical to `silu_and_mul(linear(x))`."""
+    gen = torch.Generator().manual_seed(inter + k + m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(2 * inter, k, generator=gen).bfloat16()
+    b = torch.randn(2 * inter, generator=gen).bfloat16() if bias else None
+    op = _op()
+    fused = op.linear_bf16(x, op.pack_bf16_linear(w, True), b, inter, True)
+    assert fused.shape == (m, inter)
+    assert torch.equal(fused, op.silu_and_mul(_linear(x, w, b)))
+    ref = F.silu(F.linear(x.float(), w[:inter].float(), None if b is None else b[:inter].float()))
+    ref = ref * F.linear(x.float(), w[inter:].float(), None if b is None else b[inter:].float())
+    torch.testing.assert_close(fused.float(), ref, atol=5e-2 * ref.abs().max().item(), rtol=3e-2)
+
+
+def test_gated_packed_linear_in_an_mlp():
+    """`pack_linears` packs a SiLU MLP's gate_up gated; the MLP's output is unchanged."""
+    from radixlm.kernels.layer_ops import get_layer_ops
+    from radixlm.runtime.models.layers import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(64, 48, bias=False).to(torch.bfloat16)
+    mlp.ops = get_layer_ops("cpu")
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        before = mlp.down_proj(mlp.ops.silu_and_mul(mlp.gate_up_proj(x)))
+        pack_linears(mlp, bf16_kernel=True)
+        assert mlp.gate_up_proj.gated and not mlp.down_proj.gated
+        torch.testing.assert_close(mlp(x).float(), before.float(), atol=3e-2, rtol=3e-2)
+    geglu = MLP(64, 48, bias=False, act="gelu_pytorch_tanh").to(torch.bfloat16)
+    pack_linears(geglu, bf16_kernel=True)
+    assert not geglu.gate_up_proj.gated

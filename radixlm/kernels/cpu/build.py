@@ -33,7 +33,7 @@ SOURCES = (
     "linear_bf16.cpp",
     "int4_gemm.cpp",
 )
-HEADERS = ("simd.h",)  # included by the sources: part of the build key
+HEADERS = ("simd.h", "vec.h")  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 

@@ -5,6 +5,8 @@
 //   h = rms_norm(x) (layer 0: residual = x) | add_rms_norm(x, residual)
 //   qkv = linear(h); rope_(q, k); store_kv; paged_attention; o = linear(attn)
 //   h = add_rms_norm(o, residual); x = linear(silu_and_mul(linear(h)))
+// (the gate_up projection and SiLU-and-mul one call of radixlm's bf16 kernel where it is packed
+// gated: the same numerics, linear_bf16.cpp)
 // with the bf16 linears through radixlm's packed kernel (linear_bf16.cpp) or oneDNN on prepacked
 // weights (mkldnn::_linear_pointwise, called through the dispatcher by name), or, for a linear
 // given scales, torch's weight-only low-bit kernels on
@@ -30,7 +32,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
            const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
-                       const std::optional<at::Tensor>& b, int64_t n);
+                       const std::optional<at::Tensor>& b, int64_t n, bool gated);
 int64_t linear_bf16_max_rows();
 at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins);
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
@@ -70,7 +72,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
                         const std::optional<at::Tensor>& packed, int64_t n) {
-  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows()) return linear_bf16(x, *packed, b, n);
+  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows()) return linear_bf16(x, *packed, b, n, false);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
@@ -120,12 +122,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
   TORCH_CHECK(packed.size() == 0 || packed.size() == 4 * n,
               "decoder_stack: packed holds 4 entries per layer (qkv, o, gate_up, down) or none");
   TORCH_CHECK(out_features.size() == 4,
-              "decoder_stack: out_features holds the qkv, o, gate_up and down widths");
+              "decoder_stack: out_features holds the qkv, o, intermediate and down widths");
   // (layer l, projection j): radixlm's packed bf16 weight, when there is one
   auto pk = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
     return packed.size() ? packed.get(4 * l + j) : std::nullopt;
   };
-  const int64_t n_qkv = out_features[0], n_o = out_features[1], n_gu = out_features[2],
+  // packed gate_up weights are packed gated (a Llama MLP's SiLU), of n_inter outputs
+  const int64_t n_qkv = out_features[0], n_o = out_features[1], n_inter = out_features[2],
                 n_down = out_features[3];
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -155,9 +158,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l), pk(l, 1),
                                 n_o);
     h = add_rms_norm(o, residual, ln2[l], eps);
-    at::Tensor gate_up =
-        layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), pk(l, 2), n_gu);
-    x = layer_linear(silu_and_mul(gate_up), w_down[l], s_down.get(l), b_down.get(l), pk(l, 3),
+    at::Tensor act;  // [T, I]
+    if (pk(l, 2).has_value() && t <= linear_bf16_max_rows()) {
+      act = linear_bf16(h, *pk(l, 2), b_gate_up.get(l), n_inter, true);
+    } else {
+      act = silu_and_mul(
+          layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), std::nullopt, 0));
+    }
+    x = layer_linear(act, w_down[l], s_down.get(l), b_down.get(l), pk(l, 3),
                      n_down);
   }
   return {x, residual};

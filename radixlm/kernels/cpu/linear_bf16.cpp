@@ -20,6 +20,14 @@
 //   oneDNN and 1.1-1.3x faster than the earlier plain-weight GEMV tiles (README).
 //   NOTE: on CPUs with AMX-BF16 oneDNN's tile kernels have ~8x the MACs per cycle; there inputs
 //   of more than `kAmxMaxRows` rows stay with oneDNN (not measured here: no AMX machine).
+// - Gated (`gated`, a SiLU MLP's gate_up): tile t holds gate rows [16 t, 16 t + 16) in its first
+//   16 lanes and the matching up rows in the next 16, and the epilogue writes
+//   silu(gate) * up for those 16 outputs: SiLU-and-mul fused into the projection, with the
+//   numerics of `silu_and_mul` (fused_ops.cpp) on the bf16-rounded projection: bit-identical to
+//   the two ops in sequence (tested).
+//
+// NOTE: no floating-point contraction in the epilogue (the shared numerics of vec.h).
+#pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +40,8 @@
 #include <limits>
 #include <optional>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int64_t TILE_N = 32;             // outputs per tile: two vectors of 16 fp32 lanes
@@ -41,7 +51,7 @@ constexpr int64_t PASS_ROWS = 8;           // input rows per pass: 16 accumulato
 #if defined(__AVX512BF16__)
 // Rows [0, R) of x (K pairs as uint32, row stride xs) against one tile `w` ([KP, 64]); writes
 // y[r, n0 + j] for j < 32 and n0 + j < N (row stride N).
-template <int R>
+template <int R, bool Gated>
 inline void tile_rows(const uint32_t* x, int64_t xs, const uint16_t* w, int64_t KP,
                       const float* bias, uint16_t* y, int64_t N, int64_t n0) {
   __m512 acc[R][2];
@@ -54,6 +64,19 @@ inline void tile_rows(const uint32_t* x, int64_t xs, const uint16_t* w, int64_t 
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
     }
+  }
+  if constexpr (Gated) {  // outputs [n0, n0 + 16): gate in acc[r][0], up in acc[r][1]
+    const __mmask16 mk = static_cast<__mmask16>((1u << std::min<int64_t>(16, N - n0)) - 1);
+    const __m512 bg = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    const __m512 bu = bias ? _mm512_maskz_loadu_ps(mk, bias + N + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const vf g = round_v<c10::BFloat16>(vf(_mm512_add_ps(acc[r][0], bg)));
+      const vf u = round_v<c10::BFloat16>(vf(_mm512_add_ps(acc[r][1], bu)));
+      const vf out = round_v<c10::BFloat16>(g / (1.f + exp_v(-g))) * u;
+      _mm256_mask_storeu_epi16(y + r * N + n0, mk,
+                               (__m256i)__builtin_convertvector(bf16_bits(out), vh));
+    }
+    return;
   }
   for (int j = 0; j < 2; ++j) {
     const int64_t n = n0 + 16 * j;
@@ -69,31 +92,35 @@ inline void tile_rows(const uint32_t* x, int64_t xs, const uint16_t* w, int64_t 
 using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, int64_t, const float*,
                         uint16_t*, int64_t, int64_t);
 
+template <bool Gated>
 TileFn tile_for(int64_t rows) {
   switch (rows) {
-    case 1: return &tile_rows<1>;
-    case 2: return &tile_rows<2>;
-    case 3: return &tile_rows<3>;
-    case 4: return &tile_rows<4>;
-    case 5: return &tile_rows<5>;
-    case 6: return &tile_rows<6>;
-    case 7: return &tile_rows<7>;
-    default: return &tile_rows<8>;
+    case 1: return &tile_rows<1, Gated>;
+    case 2: return &tile_rows<2, Gated>;
+    case 3: return &tile_rows<3, Gated>;
+    case 4: return &tile_rows<4, Gated>;
+    case 5: return &tile_rows<5, Gated>;
+    case 6: return &tile_rows<6, Gated>;
+    case 7: return &tile_rows<7, Gated>;
+    default: return &tile_rows<8, Gated>;
   }
 }
 
 // Work items are (tile, chunk of rows), tile-major, so that a thread takes consecutive tiles (one
 // stream of weight memory) and, for one tile, its row chunks back to back (the tile read from
 // memory once). Rows are split into chunks only when the tiles alone are too few to share out.
+// Gated: N outputs of 16 per tile.
+template <bool Gated>
 void linear_packed(const uint32_t* x, const uint16_t* w, const float* bias, uint16_t* y,
                    int64_t M, int64_t N, int64_t KP) {
-  const int64_t NT = (N + TILE_N - 1) / TILE_N;
+  constexpr int64_t tile_out = Gated ? TILE_N / 2 : TILE_N;
+  const int64_t NT = (N + tile_out - 1) / tile_out;
   const int64_t passes = (M + PASS_ROWS - 1) / PASS_ROWS;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t chunks = 1;
   while (NT * chunks < want && chunks < passes) chunks *= 2;
   const int64_t per_chunk = (passes + chunks - 1) / chunks;  // passes per chunk
-  const TileFn full = tile_for(PASS_ROWS), tail = tile_for(M % PASS_ROWS);
+  const TileFn full = tile_for<Gated>(PASS_ROWS), tail = tile_for<Gated>(M % PASS_ROWS);
   at::parallel_for(0, NT * chunks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / chunks, c = i % chunks;
@@ -102,7 +129,7 @@ void linear_packed(const uint32_t* x, const uint16_t* w, const float* bias, uint
       for (int64_t p = c * per_chunk; p < p1; ++p) {
         const int64_t m0 = p * PASS_ROWS;
         const TileFn fn = m0 + PASS_ROWS <= M ? full : tail;
-        fn(x + m0 * KP, KP, wt, KP, bias, y + m0 * N, N, t * TILE_N);
+        fn(x + m0 * KP, KP, wt, KP, bias, y + m0 * N, N, t * tile_out);
       }
     }
   });
@@ -125,23 +152,39 @@ int64_t linear_bf16_max_rows() {
 #endif
 }
 
-// w [N, K] bf16 -> w_packed [ceil(N / 32), ceil(K / 2), 64] bf16 (the layout above).
-at::Tensor pack_bf16_linear(const at::Tensor& w) {
+// w [N, K] bf16 -> w_packed [ceil(N / 32), ceil(K / 2), 64] bf16 (the layout above); gated: w is
+// [2I, K] (gate rows, then up rows) -> [ceil(I / 16), ceil(K / 2), 64].
+at::Tensor pack_bf16_linear(const at::Tensor& w, bool gated) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2,
               "pack_bf16_linear: w must be a bf16 [N, K]");
-  const int64_t N = w.size(0), K = w.size(1);
-  const int64_t NT = (N + TILE_N - 1) / TILE_N, KP = (K + 1) / 2;
-  at::Tensor padded = at::zeros({NT * TILE_N, KP * 2}, w.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  const int64_t N = w.size(0), K = w.size(1), KP = (K + 1) / 2;
+  TORCH_CHECK(!gated || N % 2 == 0, "pack_bf16_linear: a gated weight has 2I rows");
+  const int64_t NT = gated ? (N / 2 + TILE_N / 2 - 1) / (TILE_N / 2) : (N + TILE_N - 1) / TILE_N;
+  auto pad = [&](const at::Tensor& rows, int64_t to) {  // [r, K] -> zero-padded [to, 2 KP]
+    at::Tensor out = at::zeros({to, KP * 2}, w.options());
+    out.narrow(0, 0, rows.size(0)).narrow(1, 0, K).copy_(rows);
+    return out;
+  };
+  at::Tensor padded;
+  if (gated) {  // tile t: gate rows [16 t, 16 t + 16), then the same up rows
+    const int64_t I = N / 2, half = TILE_N / 2;
+    padded = at::stack({pad(w.narrow(0, 0, I), NT * half).view({NT, half, KP * 2}),
+                        pad(w.narrow(0, I, I), NT * half).view({NT, half, KP * 2})},
+                       1)
+                 .view({NT * TILE_N, KP * 2});
+  } else {
+    padded = pad(w, NT * TILE_N);
+  }
   // [NT, 32, KP, 2] -> [NT, KP, 32, 2]
   return padded.view({NT, TILE_N, KP, 2}).permute({0, 2, 1, 3}).contiguous().view(
       {NT, KP, TILE_PAIR});
 }
 
 // y [M, n] bf16 = x [M, K] bf16 @ W^T + b, W packed by `pack_bf16_linear` from an [n, K] weight;
-// b: fp32 or bf16 [n], optional.
+// b: fp32 or bf16 [n], optional. Gated (W packed gated from [2n, K]): y = silu(g) * u with
+// [g, u] = x @ W^T + b, b [2n].
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
-                       const std::optional<at::Tensor>& b, int64_t n) {
+                       const std::optional<at::Tensor>& b, int64_t n, bool gated) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16,
               "linear_bf16: bf16 x and w");
   TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K]");
@@ -149,7 +192,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
               "linear_bf16: w must be packed by pack_bf16_linear ([NT, KP, 64])");
   const int64_t M = x.size(0), K = x.size(1), KP = w_packed.size(1);
   TORCH_CHECK(KP == (K + 1) / 2, "linear_bf16: x has ", K, " columns, w was packed for ", 2 * KP);
-  TORCH_CHECK(n > 0 && (n + TILE_N - 1) / TILE_N == w_packed.size(0),
+  const int64_t tile_out = gated ? TILE_N / 2 : TILE_N;
+  TORCH_CHECK(n > 0 && (n + tile_out - 1) / tile_out == w_packed.size(0),
               "linear_bf16: n = ", n, " outputs do not match the packed weight's ",
               w_packed.size(0), " tiles");
   at::Tensor y = at::empty({M, n}, x.options());
@@ -159,10 +203,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
   if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});  // the packed weight's zero K padding
   at::Tensor bf;
   if (b.has_value()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "linear_bf16: b must be [n]");
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == (gated ? 2 * n : n),
+                "linear_bf16: b must be [n] ([2n] gated)");
     bf = b->to(at::kFloat).contiguous();
   }
-  linear_packed(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()),
+  auto* run = gated ? &linear_packed<true> : &linear_packed<false>;
+  run(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
                 b.has_value() ? bf.data_ptr<float>() : nullptr,
                 reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), M, n, KP);
@@ -173,8 +219,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
 }
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
-  m.def("pack_bf16_linear(Tensor w) -> Tensor");
-  m.def("linear_bf16(Tensor x, Tensor w_packed, Tensor? b, int n) -> Tensor");
+  m.def("pack_bf16_linear(Tensor w, bool gated=False) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w_packed, Tensor? b, int n, bool gated=False) -> Tensor");
   m.def("linear_bf16_max_rows() -> int", &linear_bf16_max_rows);
 }
 

@@ -97,23 +97,32 @@ class PackedLinear(nn.Module):
     memory, SmolLM2's 120 layer linears): oneDNN 10.6 vs `F.linear` 15.0 ms at 1 row; radixlm's
     kernel faster than oneDNN at every row count measured, 1 to 512 (README).
 
+    `gated` (a SiLU MLP's `gate_up_proj`, with the bf16 kernel): the module returns
+    `silu(gate) * up` [T, I], SiLU-and-mul fused into the kernel's epilogue (oneDNN rows: the
+    fused CPU op after it), with the numerics of the two ops in sequence.
+
     With `lowp` (CPUs without native bf16 computing in fp32), inputs of at most `SMALL_ROWS`
     rows multiply a low-precision copy instead, as `SmallRowsLowpLinear` does.
     NOTE: holds no `weight` parameter: the packed copies replace it (the tied embedding keeps
     its own)."""
 
     def __init__(
-        self, linear: nn.Linear, lowp: torch.dtype | None = None, bf16_kernel: bool = False
+        self,
+        linear: nn.Linear,
+        lowp: torch.dtype | None = None,
+        bf16_kernel: bool = False,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         w = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        # radixlm's packed bf16 copy ([ceil(N / 32), ceil(K / 2), 64]), or None
-        self.weight_bf16 = (
-            _op().pack_bf16_linear(w) if bf16_kernel and w.dtype == torch.bfloat16 else None
-        )
+        bf16_kernel = bf16_kernel and w.dtype == torch.bfloat16
+        self.gated = gated and bf16_kernel
+        # radixlm's packed bf16 copy ([ceil(N / 32), ceil(K / 2), 64]; gated
+        # [ceil(N / 2 / 16), ...]), or None
+        self.weight_bf16 = _op().pack_bf16_linear(w, self.gated) if bf16_kernel else None
         self.bf16_max_rows = linear_bf16_max_rows() if self.weight_bf16 is not None else -1
         # oneDNN's copy: only for the rows the packed kernel does not take
         self.packed = (
@@ -124,9 +133,14 @@ class PackedLinear(nn.Module):
         self.weight_lowp = None if lowp is None else w.to(lowp)
         self.bias_lowp = None if lowp is None or self.bias is None else self.bias.to(lowp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] ([T, out / 2] gated)
         if x.shape[0] <= self.bf16_max_rows and x.dtype == torch.bfloat16:
-            return _op().linear_bf16(x, self.weight_bf16, self.bias, self.out_features)
+            n = self.out_features // 2 if self.gated else self.out_features
+            return _op().linear_bf16(x, self.weight_bf16, self.bias, n, self.gated)
+        if self.gated:
+            return _op().silu_and_mul(
+                torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            )
         if self.weight_lowp is not None and x.shape[0] <= SMALL_ROWS:
             return F.linear(x.to(self.weight_lowp.dtype), self.weight_lowp, self.bias_lowp).to(
                 x.dtype
@@ -135,6 +149,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "onednn" if self.weight_bf16 is None else "bf16 packed"
+        if self.gated:
+            kind += ", silu-and-mul fused"
         if self.weight_bf16 is not None and self.packed is not None:
             kind += f" (<= {self.bf16_max_rows} rows), onednn"
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
@@ -168,8 +184,9 @@ def pack_linears(
     returns how many. Tensor-parallel linears (subclasses) keep their own forward. With
     `bf16_kernel` (radixlm's bf16 linear runs here: `bf16_kernel_supported()`), bf16 linears are
     packed for it; where it takes only a few rows (AMX), only when their weights total at most
-    `DUAL_MAX_WEIGHT_BYTES` (both copies are kept). NOTE: call after the weights are loaded and
-    tied."""
+    `DUAL_MAX_WEIGHT_BYTES` (both copies are kept). A SiLU MLP's `gate_up_proj` (a parent with
+    `act == "silu"`) is packed gated (the module then returns silu(gate) * up; the MLP sees
+    `gated`). NOTE: call after the weights are loaded and tied."""
     found = [
         (parent, name, child)
         for parent in list(model.modules())
@@ -182,5 +199,6 @@ def pack_linears(
             DUAL_MAX_WEIGHT_BYTES
         )
     for parent, name, child in found:
-        setattr(parent, name, PackedLinear(child, lowp, bf16_kernel=keep))
+        gated = name == "gate_up_proj" and getattr(parent, "act", None) == "silu"
+        setattr(parent, name, PackedLinear(child, lowp, bf16_kernel=keep, gated=gated))
     return len(found)

@@ -84,7 +84,11 @@ class CpuDecoderStack:
         # radixlm's packed bf16 weights, 4 per layer (qkv, o, gate_up, down), or none at all.
         packed = [getattr(m, "weight_bf16", None) for lay in zip(*proj.values()) for m in lay]
         self.packed = packed if all(w is not None for w in packed) else []
+        # gate_up's width is the intermediate size: packed, it is packed gated (Llama's SiLU)
         self.out_features = [v[0].out_features for v in proj.values()]
+        self.out_features[2] //= 2
+        if self.packed and not all(m.gated for m in proj["gate_up"]):
+            raise ValueError("decoder_stack: packed gate_up projections must be packed gated")
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
 

@@ -141,6 +141,8 @@ class MLP(nn.Module):
         self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if getattr(self.gate_up_proj, "gated", False):  # SiLU-and-mul fused (`PackedLinear`)
+            return self.down_proj(self.gate_up_proj(x))
         h = self.gate_up_proj(x)  # [T, 2I]
         h = self.ops.silu_and_mul(h) if self.act == "silu" else gelu_tanh_and_mul_ref(h)
         return self.down_proj(h)
