@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.kernels.host_memory import zeros_huge
+
 KV_LAYOUTS = ("flat", "pairs16")
 
 
@@ -121,10 +123,13 @@ class KVCache:
         layers: Collection[int] | None = None,
     ) -> KVCache:
         """Zeroed buffers of `num_pages` pages for every layer, or only for `layers` (the
-        others' buffers are empty `[0, Hkv, D]`: a hybrid pool's other cache holds them)."""
+        others' buffers are empty `[0, Hkv, D]`: a hybrid pool's other cache holds them). On CPU
+        in memory advised for huge pages (`host_memory.zeros_huge`)."""
 
         def buf(layer: int) -> torch.Tensor:
             slots = num_pages * page_size if layers is None or layer in layers else 0
+            if torch.device(device).type == "cpu":
+                return zeros_huge((slots, num_kv_heads, head_dim), dtype)
             return torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device)
 
         return cls(

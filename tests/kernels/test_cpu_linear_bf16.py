@@ -227,3 +227,17 @@ def test_gated_packed_linear_in_an_mlp():
     geglu = MLP(64, 48, bias=False, act="gelu_pytorch_tanh").to(torch.bfloat16)
     pack_linears(geglu, bf16_kernel=True)
     assert not geglu.gate_up_proj.gated
+
+
+def test_packed_weights_share_one_huge_page_arena():
+    """`pack_linears` moves the packed weights into one allocation (huge-page advised), in
+    module order, with their values unchanged."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
+    x = torch.randn(3, 64).bfloat16()
+    ref = m[1](m[0](x))
+    pack_linears(m, bf16_kernel=True)
+    a, b = m[0].weight_bf16, m[1].weight_bf16
+    assert a.data_ptr() % (2 << 20) == 0
+    assert b.data_ptr() == a.data_ptr() + a.numel() * 2
+    torch.testing.assert_close(m[1](m[0](x)).float(), ref.float(), atol=3e-2, rtol=3e-2)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.host_memory import zeros_huge
+
 logger = logging.getLogger(__name__)
 
 # At most this many rows run the low-precision copy (measured crossover: 2-4 rows).
@@ -198,7 +200,26 @@ def pack_linears(
         keep = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found) <= (
             DUAL_MAX_WEIGHT_BYTES
         )
+    packed = []
     for parent, name, child in found:
         gated = name == "gate_up_proj" and getattr(parent, "act", None) == "silu"
-        setattr(parent, name, PackedLinear(child, lowp, bf16_kernel=keep, gated=gated))
+        packed.append(PackedLinear(child, lowp, bf16_kernel=keep, gated=gated))
+        setattr(parent, name, packed[-1])
+    _move_to_huge_arena([m for m in packed if m.weight_bf16 is not None])
     return len(found)
+
+
+def _move_to_huge_arena(linears: list[PackedLinear]) -> None:
+    """Move the packed bf16 weights into one allocation advised for transparent huge pages
+    (`host_memory.zeros_huge`), in module order (a forward streams them in that order)."""
+    if not linears:
+        return
+    total = sum(m.weight_bf16.numel() for m in linears)
+    arena = zeros_huge((total,), torch.bfloat16)
+    offset = 0
+    for m in linears:
+        n = m.weight_bf16.numel()
+        view = arena[offset : offset + n].view(m.weight_bf16.shape)
+        view.copy_(m.weight_bf16)
+        m.weight_bf16 = view
+        offset += n

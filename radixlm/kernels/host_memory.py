@@ -1,0 +1,41 @@
+"""Host buffers in transparent huge pages.
+
+A CPU decode step streams every packed weight once and reads each request's K/V from pages
+scattered over the pool. With 4 KB pages every 4 KB of that costs a TLB miss; backed by 2 MB
+pages, SmolLM2-135M's decode steps measured 4-15% faster (weights, batch 1-32) and its decode
+attention 17-20% faster (KV pool), both A/B in one process (README, "CPU matmuls").
+
+`zeros_huge` maps anonymous memory (zero-filled by the kernel, faulted in on first touch) and
+advises it `MADV_HUGEPAGE`, which takes effect where transparent huge pages are `madvise` or
+`always` (with `never`, or off Linux, it is plain memory: same contents, same speed as before).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+
+import torch
+
+_HUGE = 2 << 20
+
+
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor of `shape` in its own anonymous mapping advised for huge pages. The
+    tensor keeps the mapping alive (it is unmapped when the last view is freed)."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # private (shared anonymous memory is shmem, which THP's `enabled` setting does not cover),
+    # one huge page more than needed so that the tensor can start on a 2 MB boundary
+    size = -(-nbytes // _HUGE) * _HUGE + _HUGE
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(mem)) % _HUGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # advice only (e.g. a kernel built without THP)
+            pass
+    return torch.frombuffer(mem, dtype=dtype, count=numel, offset=offset).view(shape)
