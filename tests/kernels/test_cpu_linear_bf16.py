@@ -241,3 +241,14 @@ def test_packed_weights_share_one_huge_page_arena():
     assert a.data_ptr() % (2 << 20) == 0
     assert b.data_ptr() == a.data_ptr() + a.numel() * 2
     torch.testing.assert_close(m[1](m[0](x)).float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_resident_bytes_count_each_packed_weight_of_the_arena():
+    """The packed weights are views of one arena: each counts once, by its own bytes."""
+    from radixlm.runtime.models.weight_bytes import resident_weight_bytes
+
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    pack_linears(m, bf16_kernel=True)
+    packed = sum(lin.weight_bf16.numel() * 2 for lin in m)
+    biases = sum(lin.bias.numel() * 2 for lin in m)
+    assert resident_weight_bytes(m) == packed + biases

@@ -12,8 +12,10 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _key(t: torch.Tensor) -> tuple[int, int] | int:
+    """Where the tensor's bytes are: its own start (views of one arena, e.g. the packed bf16
+    weights, are distinct weights) and size."""
     try:
-        return t.untyped_storage().data_ptr(), _nbytes(t)
+        return t.data_ptr(), _nbytes(t)
     except (RuntimeError, NotImplementedError):  # opaque (MKLDNN) tensors have no storage
         return id(t)
 
