@@ -5,9 +5,11 @@ scattered over the pool. With 4 KB pages every 4 KB of that costs a TLB miss; ba
 pages, SmolLM2-135M's decode steps measured 4-15% faster (weights, batch 1-32) and its decode
 attention 17-20% faster (KV pool), both A/B in one process (README, "CPU matmuls").
 
-`zeros_huge` maps anonymous memory (zero-filled by the kernel, faulted in on first touch) and
-advises it `MADV_HUGEPAGE`, which takes effect where transparent huge pages are `madvise` or
-`always` (with `never`, or off Linux, it is plain memory: same contents, same speed as before).
+`zeros_huge` maps anonymous memory, advises it `MADV_HUGEPAGE` (effective where transparent huge
+pages are `madvise` or `always`; with `never`, or off Linux, it is plain memory: same contents,
+same speed as before) and writes its zeros at once, as `torch.zeros` does: every page is faulted
+in at allocation (start-up), never by a forward (a huge-page fault zeroes 2 MB and may compact
+memory first).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ _HUGE = 2 << 20
 
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor of `shape` in its own anonymous mapping advised for huge pages. The
-    tensor keeps the mapping alive (it is unmapped when the last view is freed)."""
+    """A zeroed CPU tensor of `shape` in its own anonymous mapping advised for huge pages, its
+    pages faulted in. The tensor keeps the mapping alive (unmapped when the last view is
+    freed)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
@@ -38,4 +41,5 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             mem.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # advice only (e.g. a kernel built without THP)
             pass
-    return torch.frombuffer(mem, dtype=dtype, count=numel, offset=offset).view(shape)
+    t = torch.frombuffer(mem, dtype=dtype, count=numel, offset=offset).view(shape)
+    return t.zero_()  # fault every page in now
