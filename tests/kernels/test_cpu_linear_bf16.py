@@ -233,8 +233,8 @@ def test_packed_weights_share_one_huge_page_arena():
     """`pack_linears` moves the packed weights into one allocation (huge-page advised), in
     module order, with their values unchanged."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64)).to(torch.bfloat16)
-    x = torch.randn(3, 64).bfloat16()
+    m = nn.Sequential(nn.Linear(640, 960), nn.Linear(960, 640)).to(torch.bfloat16)  # 2.3 MB
+    x = torch.randn(3, 640).bfloat16()
     ref = m[1](m[0](x))
     pack_linears(m, bf16_kernel=True)
     a, b = m[0].weight_bf16, m[1].weight_bf16

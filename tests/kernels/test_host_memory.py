@@ -17,13 +17,15 @@ HUGE = 2 << 20
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.int32])
 def test_zeros_huge_is_a_zeroed_aligned_writable_tensor(dtype):
-    t = zeros_huge((3, 1000, 7), dtype)
-    assert t.shape == (3, 1000, 7) and t.dtype == dtype and t.is_contiguous()
+    t = zeros_huge((3, 100_000, 7), dtype)
+    assert t.shape == (3, 100_000, 7) and t.dtype == dtype and t.is_contiguous()
     assert t.data_ptr() % HUGE == 0
     assert not t.any()
     t[1, 5, 3] = 4
     assert t.sum().item() == 4
     assert zeros_huge((0, 4), dtype).shape == (0, 4)
+    small = zeros_huge((10, 4), dtype)  # under one huge page: plain zeros
+    assert small.shape == (10, 4) and not small.any()
 
 
 def _thp_mode() -> str:
@@ -55,6 +57,6 @@ def test_zeros_huge_gets_huge_pages():
 
 
 def test_cpu_kv_pool_is_in_huge_page_memory():
-    cache = KVCache.allocate(2, 64, 16, 2, 8, torch.bfloat16, "cpu")
+    cache = KVCache.allocate(2, 4096, 16, 2, 8, torch.bfloat16, "cpu")  # 2 MB per buffer
     for buf in (*cache.k_buffers, *cache.v_buffers):
         assert buf.data_ptr() % HUGE == 0 and not buf.any()
