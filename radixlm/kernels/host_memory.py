@@ -27,8 +27,8 @@ _HUGE = 2 << 20
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor of `shape` in its own anonymous mapping advised for huge pages, its
-    pages faulted in (under 2 MB: `torch.zeros`). The tensor keeps the mapping alive (unmapped when the last view is
-    freed)."""
+    pages faulted in (under 2 MB: `torch.zeros`). The tensor keeps the mapping alive (unmapped
+    when the last view is freed)."""
     numel = math.prod(shape)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE:  # not one huge page: it would only waste the rest of one
