@@ -252,3 +252,22 @@ def test_resident_bytes_count_each_packed_weight_of_the_arena():
     packed = sum(lin.weight_bf16.numel() * 2 for lin in m)
     biases = sum(lin.bias.numel() * 2 for lin in m)
     assert resident_weight_bytes(m) == packed + biases
+
+
+def test_gated_linear_past_the_kernels_rows_takes_onednn_then_silu_and_mul(monkeypatch):
+    """Where the kernel takes only a few rows (AMX CPUs), a gated linear's larger inputs run
+    oneDNN's copy and the fused SiLU-and-mul op: the same [T, I] result."""
+    monkeypatch.setattr(cpu_linear, "linear_bf16_max_rows", lambda: 8)
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 2 * 48, bias=True).to(torch.bfloat16)
+    gated = PackedLinear(lin, bf16_kernel=True, gated=True)
+    assert gated.gated and gated.packed is not None and gated.bf16_max_rows == 8
+    x = torch.randn(12, 64).bfloat16()
+    with torch.no_grad():
+        ref = _op().silu_and_mul(
+            F.linear(x.float(), lin.weight.float(), lin.bias.float()).bfloat16()
+        )
+        small, large = gated(x[:8]), gated(x)
+    assert small.shape == (8, 48) and large.shape == (12, 48)
+    torch.testing.assert_close(large.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(small.float(), large[:8].float(), atol=3e-2, rtol=3e-2)
