@@ -234,6 +234,7 @@ class ModelRunner:
             add_lowp_copies,
             bf16_kernel_supported,
             linear_bf16_max_rows,
+            move_weights_to_huge_pages,
             onednn_available,
             pack_linears,
         )
@@ -251,6 +252,7 @@ class ModelRunner:
         linears = "dense"
         if self.device.type == "cpu" and not self.enforce_eager and onednn_available():
             pack_linears(model, lowp, bf16_kernel=bf16_kernel_supported())
+            move_weights_to_huge_pages(model)  # before the stack keeps references to them
             linears = "onednn-prepacked"
             if any(getattr(m, "weight_bf16", None) is not None for m in model.modules()):
                 most = linear_bf16_max_rows()

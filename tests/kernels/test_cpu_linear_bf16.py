@@ -230,13 +230,14 @@ def test_gated_packed_linear_in_an_mlp():
 
 
 def test_packed_weights_share_one_huge_page_arena():
-    """`pack_linears` moves the packed weights into one allocation (huge-page advised), in
-    module order, with their values unchanged."""
+    """`move_weights_to_huge_pages` moves the packed weights into one allocation (huge-page
+    advised), in module order, with their values unchanged."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(640, 960), nn.Linear(960, 640)).to(torch.bfloat16)  # 2.3 MB
     x = torch.randn(3, 640).bfloat16()
     ref = m[1](m[0](x))
     pack_linears(m, bf16_kernel=True)
+    assert cpu_linear.move_weights_to_huge_pages(m) == sum(lin.weight_bf16.numel() * 2 for lin in m)
     a, b = m[0].weight_bf16, m[1].weight_bf16
     assert a.data_ptr() % (2 << 20) == 0
     assert b.data_ptr() == a.data_ptr() + a.numel() * 2
@@ -249,6 +250,7 @@ def test_resident_bytes_count_each_packed_weight_of_the_arena():
 
     m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
     pack_linears(m, bf16_kernel=True)
+    cpu_linear.move_weights_to_huge_pages(m)
     packed = sum(lin.weight_bf16.numel() * 2 for lin in m)
     biases = sum(lin.bias.numel() * 2 for lin in m)
     assert resident_weight_bytes(m) == packed + biases

@@ -498,3 +498,23 @@ def test_int4_g32_kernel_generates_as_torchs_int4_on_the_default_model(
     diffs = [abs(a - b) for o, t in zip(our_lps, their_lps) for a, b in zip(o, t)]
     mean = sum(diffs) / len(diffs)
     assert mean < 0.05 and max(diffs) < 1.0, (mean, max(diffs))  # measured: 0.024, 0.20
+
+
+def test_quantized_weights_move_to_huge_pages_once_when_tied() -> None:
+    """`move_weights_to_huge_pages` moves low-bit weights and scales into per-dtype arenas (in
+    huge pages when they span one); a tied int8 head and embedding keep sharing one copy; the
+    outputs are unchanged."""
+    from radixlm.runtime.models.cpu_linear import move_weights_to_huge_pages
+
+    torch.manual_seed(0)
+    head = quantize_linear(nn.Linear(1024, 4096, bias=False), "int8", 32)  # 4 MB of int8
+    model = nn.ModuleDict({"head": head, "embed": QuantEmbedding(head)})
+    x, ids = torch.randn(3, 1024), torch.tensor([1, 7, 4095])
+    before = (head(x), model["embed"](ids))
+    moved = move_weights_to_huge_pages(model)
+    assert moved == head.qweight.numel() + head.scales.numel() * head.scales.element_size()
+    assert head.qweight.data_ptr() % (2 << 20) == 0
+    assert model["embed"].qweight.data_ptr() == head.qweight.data_ptr()
+    assert "qweight" in dict(head.named_buffers())  # still a buffer
+    torch.testing.assert_close(head(x), before[0])
+    torch.testing.assert_close(model["embed"](ids), before[1])

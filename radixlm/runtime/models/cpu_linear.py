@@ -205,21 +205,43 @@ def pack_linears(
         gated = name == "gate_up_proj" and getattr(parent, "act", None) == "silu"
         packed.append(PackedLinear(child, lowp, bf16_kernel=keep, gated=gated))
         setattr(parent, name, packed[-1])
-    _move_to_huge_arena([m for m in packed if m.weight_bf16 is not None])
     return len(found)
 
 
-def _move_to_huge_arena(linears: list[PackedLinear]) -> None:
-    """Move the packed bf16 weights into one allocation advised for transparent huge pages
-    (`host_memory.zeros_huge`), in module order (a forward streams them in that order)."""
-    if not linears:
-        return
-    total = sum(m.weight_bf16.numel() for m in linears)
-    arena = zeros_huge((total,), torch.bfloat16)
-    offset = 0
-    for m in linears:
-        n = m.weight_bf16.numel()
-        view = arena[offset : offset + n].view(m.weight_bf16.shape)
-        view.copy_(m.weight_bf16)
-        m.weight_bf16 = view
-        offset += n
+# The attributes of the CPU linears that hold the weights a forward streams: `PackedLinear`'s
+# packed bf16 copy; `QuantLinear`'s (and a tied `QuantEmbedding`'s) low-bit weight and scales.
+STREAMED_WEIGHTS = ("weight_bf16", "qweight", "scales")
+
+
+def move_weights_to_huge_pages(model: nn.Module) -> int:
+    """Move the CPU linears' streamed weights (`STREAMED_WEIGHTS`) into one allocation per dtype
+    advised for transparent huge pages (`host_memory.zeros_huge`), in module order (a forward
+    streams them in that order); a tensor two modules share (a tied quantized head and
+    embedding) moves once and both then hold the moved copy. Returns the bytes moved.
+    NOTE: call before anything keeps references to the weights (`CpuDecoderStack`)."""
+    slots: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for m in model.modules():
+        for name in STREAMED_WEIGHTS:
+            t = getattr(m, name, None)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous():
+                slots.append((m, name, t))
+
+    def key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+        return t.data_ptr(), t.numel(), t.dtype
+
+    unique: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+    for _, _, t in slots:
+        unique.setdefault(key(t), t)
+    moved: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+    for dtype in dict.fromkeys(t.dtype for t in unique.values()):
+        group = [(k, t) for k, t in unique.items() if t.dtype == dtype]
+        arena = zeros_huge((sum(t.numel() for _, t in group),), dtype)
+        offset = 0
+        for k, t in group:
+            view = arena[offset : offset + t.numel()].view(t.shape)
+            view.copy_(t)
+            moved[k] = view
+            offset += t.numel()
+    for m, name, t in slots:
+        setattr(m, name, moved[key(t)])
+    return sum(t.numel() * t.element_size() for t in unique.values())
