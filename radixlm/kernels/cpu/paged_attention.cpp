@@ -38,6 +38,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -1097,6 +1098,15 @@ void attend_task(
         scores_dot(qh, M, kf + h * blk, n, D, sh);
       }
     }
+    // The keys [nlo, nv) of this block that score row r's query sees: causal (keys <= its
+    // position), from kv_lo, and past the window's first key (position qpos - W + 1).
+    auto visible = [&](int64_t r) -> std::pair<int64_t, int64_t> {
+      const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
+      const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
+      const int64_t nlo = std::max<int64_t>(
+          kv_lo - j0, dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0);
+      return {nlo, nv};
+    };
 #if defined(__AVX512BF16__)
     // bf16 tiles: the online softmax of each row's 64 scores in four 16-lane vectors, its P
     // written as bf16 key pairs in place at the start of the score row, then P @ V (measured
@@ -1107,10 +1117,7 @@ void attend_task(
         const __m512 ninf = _mm512_set1_ps(NEG_INF);
         for (int64_t r = 0; r < MT; ++r) {
           float* sr = s + r * BLOCK_K;
-          const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
-          const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
-          const int64_t nlo = std::max<int64_t>(
-              kv_lo - j0, dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0);
+          const auto [nlo, nv] = visible(r);
           if (nv <= nlo) {
             _mm512_storeu_si512(sr, _mm512_setzero_si512());
             _mm512_storeu_si512(sr + 16, _mm512_setzero_si512());
@@ -1154,11 +1161,7 @@ void attend_task(
     // Online softmax per row over the valid (causal, in-range) keys of this block.
     for (int64_t r = 0; r < MT; ++r) {
       float* sr = s + r * BLOCK_K;
-      const int64_t qpos = rows ? pos0 : pos0 + (r % M) / G;
-      const int64_t nv = std::min<int64_t>(n, qpos - j0 + 1);
-      // keys before the window's first (position qpos - W + 1) are masked too
-      const int64_t nlo = std::max<int64_t>(
-          kv_lo - j0, dm.window > 0 ? std::max<int64_t>(0, qpos - dm.window + 1 - j0) : 0);
+      const auto [nlo, nv] = visible(r);
       if (nv <= nlo) {  // no key of the block is visible to this query: weights 0, no rescale
         std::fill(sr, sr + BLOCK_K, 0.f);
         alpha[r] = 1.f;
