@@ -48,8 +48,12 @@ def test_the_runners_work_on_a_tiny_model(tiny_llama_dir: Path) -> None:
         go = bs.prompt_runner(engine, "extract", bs.EXTRACT, 2, 6)
         extract, outs = bs.measure(engine, go, reps=2, repeat=True)
         assert len(outs) == 2 and all(len(o) == 6 for o in outs)
-        # The counters cover the timed runs only: 2 x 2 requests of 6 tokens each.
-        assert extract["forwards_per_run"] * extract["tokens_per_forward"] == pytest.approx(12)
+        # The counters cover the timed runs only: 2 x 2 requests of 6 tokens each, i.e. 12
+        # tokens per run. The two figures are rounded (forwards to 0.1, tokens per forward to
+        # 0.01), so their product is 12 within those roundings (the forwards vary with the
+        # measured step cost that sizes the drafts).
+        f, t = extract["forwards_per_run"], extract["tokens_per_forward"]
+        assert abs(f * t - 12) <= 0.05 * t + 0.005 * f + 1e-3, (f, t)
         assert 0 <= extract["draft_step_share"] <= 1 and extract["drafted_per_run"] >= 0
 
 
