@@ -1,6 +1,6 @@
 """Host buffers in transparent huge pages (`kernels/host_memory.py`): zeroed, 2 MB-aligned,
-writable, of any dtype; backed by huge pages where the kernel's THP mode allows it (checked in
-/proc/self/smaps), and used by the CPU KV pool and the packed weights."""
+writable, of any dtype; advised for huge pages where the kernel's THP mode allows it (checked in
+/proc/self/smaps), and used by the CPU KV pool."""
 
 from __future__ import annotations
 
@@ -36,24 +36,25 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def _anon_huge_kb(addr: int) -> int:
-    """AnonHugePages of the mapping that holds `addr` (/proc/self/smaps)."""
+def _vm_flags(addr: int) -> list[str]:
+    """VmFlags of the mapping that holds `addr` (/proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(x, 16) for x in head.split("-"))
             inside = lo <= addr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
 
 
 @pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="THP is off here")
-def test_zeros_huge_gets_huge_pages():
+def test_zeros_huge_is_advised_for_huge_pages():
+    """The mapping carries MADV_HUGEPAGE (`hg` in its VmFlags): whether the kernel then finds
+    free 2 MB pages depends on the machine's memory, the advice does not."""
     t = zeros_huge((8 << 20,), torch.uint8)  # 8 MB
-    t.fill_(1)  # fault it in
-    assert _anon_huge_kb(t.data_ptr()) >= 2048
+    assert "hg" in _vm_flags(t.data_ptr())
 
 
 def test_cpu_kv_pool_is_in_huge_page_memory():
