@@ -72,7 +72,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
                         const std::optional<at::Tensor>& packed, int64_t n) {
-  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows()) return linear_bf16(x, *packed, b, n, false);
+  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows())
+    return linear_bf16(x, *packed, b, n, false);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
@@ -142,7 +143,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     } else {
       h = add_rms_norm(x, residual, ln1[l], eps);
     }
-    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), pk(l, 0), n_qkv);  // [T, q+2kv]
+    // [T, q + 2 kv]
+    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), pk(l, 0), n_qkv);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: qkv width mismatch");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});

@@ -13,11 +13,9 @@
 // - Every output is one fp32 sum over K pairs in order, the bias added in fp32, one rounding to
 //   bf16 (as oneDNN's bf16 linear does): a row's output is bit-identical whatever the other rows
 //   of the call are (batch invariance).
-// - Measured against oneDNN on its own prepacked layout (`mkldnn::_linear_pointwise`, the path
-//   this replaces), SmolLM2-135M's 120 layer linears, 2 threads, AVX512_BF16 EPYC (no AMX), best
-//   of 3: 64 rows 34.8 vs 42.6 ms, 256 rows 124.9 vs 136.3, 512 rows 251 vs 272 (433 vs 400
-//   GFLOP/s, about the 2-core vdpbf16ps peak); with the LM head, 1-8 rows 1.1-1.6x faster than
-//   oneDNN and 1.1-1.3x faster than the earlier plain-weight GEMV tiles (README).
+// - Faster than oneDNN on its own prepacked layout (`mkldnn::_linear_pointwise`, the path this
+//   replaces) at every row count measured, 1 to 512, and at 512 rows about the 2-core vdpbf16ps
+//   peak (figures and command: README, "The CPU compiled forward").
 //   NOTE: on CPUs with AMX-BF16 oneDNN's tile kernels have ~8x the MACs per cycle; there inputs
 //   of more than `kAmxMaxRows` rows stay with oneDNN (not measured here: no AMX machine).
 // - Gated (`gated`, a SiLU MLP's gate_up): tile t holds gate rows [16 t, 16 t + 16) in its first
@@ -209,9 +207,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
   }
   auto* run = gated ? &linear_packed<true> : &linear_packed<false>;
   run(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()),
-                reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
-                b.has_value() ? bf.data_ptr<float>() : nullptr,
-                reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), M, n, KP);
+      reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
+      b.has_value() ? bf.data_ptr<float>() : nullptr,
+      reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), M, n, KP);
 #else
   TORCH_CHECK(false, "linear_bf16: this build has no AVX512_BF16");
 #endif
