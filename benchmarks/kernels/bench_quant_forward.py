@@ -4,8 +4,8 @@ ms per `ModelRunner.forward` and the weights' resident size.
     .venv/bin/python benchmarks/kernels/bench_quant_forward.py [--threads 2] [--iters 20]
         [--modes none,int8,int4,gguf] [--lm-head int8] [--out benchmarks/results/quant_forward.json]
 
-A mode suffixed `-torch` (`gguf-torch`, `int4-torch`) runs int4 through torch's kernel instead of
-radixlm's `int4_g32_mm` (the same weights).
+A mode suffixed `-torch` (`gguf-torch`, `int4-torch`) runs int4 and int8 (the LM head) through
+torch's kernels instead of radixlm's `int4_g32_mm` / `int8_mm` (the same weights).
 
 Cases (`bench_cpu_forward.CASES`): decode steps at batch 1 / 8 / 32 / 64 over 300- or 512-token
 contexts, and a 512-token prefill; median of `--iters` after warm-up. Prints the load average and
@@ -45,17 +45,17 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     from radixlm.runtime.quantization import kernels
 
-    ours = kernels.int4_g32_supported
+    ours = kernels.int4_g32_supported, kernels.int8_rows_supported
     for mode in args.modes.split(","):
         if mode.endswith("-torch"):
-            kernels.int4_g32_supported = lambda: False
+            kernels.int4_g32_supported = kernels.int8_rows_supported = lambda: False
         try:
             runner = ModelRunner(
                 model_dir, "bfloat16", torch.device("cpu"), CacheConfig(num_pages=4096),
                 quantization=mode.removesuffix("-torch"), quantization_lm_head=args.lm_head,
             )  # fmt: skip
         finally:
-            kernels.int4_g32_supported = ours
+            kernels.int4_g32_supported, kernels.int8_rows_supported = ours
         row = {"weight_mb": runner.weight_bytes / 1e6}
         for name, b, ctx, new in CASES:
             fb = make_batch(runner, b, ctx, new)

@@ -5,11 +5,11 @@ layers, as one forward reads them).
     .venv/bin/python benchmarks/kernels/bench_quant_linear.py [--threads 2] [--iters 10]
         [--rows 1,8,64,512] [--kinds bf16,int4-g32,int4-g32-torch] [--out FILE.json]
 
-The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int8 is
-`aten._weight_int8pack_mm` (per output channel), int4 radixlm's `int4_g32_mm` where it runs
-(AVX512_BF16, bf16) and `-torch` forces torch's `aten._weight_int4pack_mm_for_cpu` (asymmetric
-groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout, `bf16-packed`
-radixlm's packed bf16 kernel (`linear_bf16.cpp`); `-deq`: the runtime's large-row path
+The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int8 (per output
+channel) radixlm's `int8_mm` and int4 radixlm's `int4_g32_mm` where they run (AVX512_BF16,
+bf16); `-torch` forces torch's `aten._weight_int8pack_mm` / `aten._weight_int4pack_mm_for_cpu`
+(asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout,
+`bf16-packed` radixlm's packed bf16 kernel (`linear_bf16.cpp`); `-deq`: the runtime's large-row path
 (the weight dequantized for the call, then `F.linear`). The kinds alternate within each
 iteration (an A/B in one run: a busy box slows them alike). Prints the CPU flags and the load
 average; ms per 120 linears (median of `--iters`), the bytes of weights (and scales) one pass
@@ -57,13 +57,13 @@ def build(kind: str, out_f: int, in_f: int):
         return PackedLinear(lin, bf16_kernel=kind == "bf16-packed")
     base = kind.removesuffix("-deq").removesuffix("-torch")  # int4-g32-torch-deq
     mode, _, group = base.partition("-g")
-    ours = kernels.int4_g32_supported
-    if "-torch" in kind:
-        kernels.int4_g32_supported = lambda: False  # torch's int4 kernel for this module
+    ours = kernels.int4_g32_supported, kernels.int8_rows_supported
+    if "-torch" in kind:  # torch's int4 / int8 kernel for this module
+        kernels.int4_g32_supported = kernels.int8_rows_supported = lambda: False
     try:
         q = quantize_linear(lin, mode, int(group or 0))
     finally:
-        kernels.int4_g32_supported = ours
+        kernels.int4_g32_supported, kernels.int8_rows_supported = ours
     return Path_(q, dequantize=kind.endswith("-deq"))
 
 

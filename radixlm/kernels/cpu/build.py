@@ -32,6 +32,7 @@ SOURCES = (
     "quant_ops.cpp",
     "linear_bf16.cpp",
     "int4_gemm.cpp",
+    "int8_gemm.cpp",
 )
 HEADERS = ("simd.h", "vec.h")  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")

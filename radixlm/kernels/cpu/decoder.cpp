@@ -9,9 +9,9 @@
 // gated: the same numerics, linear_bf16.cpp)
 // with the bf16 linears through radixlm's packed kernel (linear_bf16.cpp) or oneDNN on prepacked
 // weights (mkldnn::_linear_pointwise, called through the dispatcher by name), or, for a linear
-// given scales, torch's weight-only low-bit kernels on
-// the packed weight (int8: aten::_weight_int8pack_mm; uint8 with fp16 scales: radixlm's int4_g32_mm
-// (int4_gemm.cpp); uint8 otherwise: aten::_weight_int4pack_mm_for_cpu, group size
+// given scales, the weight-only low-bit kernels on the packed weight (int8: radixlm's int8_mm
+// (int8_gemm.cpp) on bf16, else aten::_weight_int8pack_mm; uint8 with fp16 scales: radixlm's
+// int4_g32_mm (int4_gemm.cpp); uint8 otherwise: aten::_weight_int4pack_mm_for_cpu, group size
 // K / scales.size(0)) plus the bias, as radixlm.runtime.quantization.QuantLinear does. What it removes is the Python between the ops: ~4 ms of a 17 ms
 // batch-1 SmolLM2 step (30 layers x ~15 module calls, wrappers and dispatches).
 #include <ATen/ATen.h>
@@ -35,6 +35,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
                        const std::optional<at::Tensor>& b, int64_t n, bool gated);
 int64_t linear_bf16_max_rows();
 at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
+bool has_bf16_dot();
 void store_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& slots, const at::Tensor& k,
               const at::Tensor& v, int64_t kv_layout);
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
@@ -77,7 +79,11 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
   if (w.scalar_type() == at::kChar) {
-    y = at::_weight_int8pack_mm(x, w, *s);
+    // radixlm's int8 kernel where it runs (bf16 activations and scales, AVX512_BF16)
+    if (has_bf16_dot() && x.scalar_type() == at::kBFloat16 && s->scalar_type() == at::kBFloat16)
+      y = int8_mm(x, w, *s);
+    else
+      y = at::_weight_int8pack_mm(x, w, *s);
   } else {
     TORCH_CHECK(w.scalar_type() == at::kByte, "decoder_stack: quantized weights are int8 or uint8");
     // radixlm's int4 layout: fp16 scales and mins [N, K / 32, 2] (torch's: [K / g, N, 2] in the

@@ -2,7 +2,9 @@
 a kernel's layout, and the call that multiplies by it. torch's own ops and radixlm's compiled
 int4 kernel (no extra dependency):
 
-- CPU int8: `aten._weight_int8pack_mm(x, q [N, K] int8, scales [N])`, one scale per output row.
+- CPU int8: one scale per output row on the plain `q [N, K]` int8 rows; on bf16 with AVX512_BF16
+  radixlm's `int8_mm` (`kernels/cpu/int8_gemm.cpp`, `INT8_ROWS`), elsewhere
+  `aten._weight_int8pack_mm(x, q, scales [N])`.
 - CPU int4 on bf16 with AVX512_BF16: radixlm's `int4_g32_mm` (`kernels/cpu/int4_gemm.cpp`) on
   `pack_int4_g32`'s layout (groups of 32, fp16 scale and min), every row count (`INT4_G32`).
 - CPU int4 elsewhere: `aten._weight_int4pack_mm_for_cpu(x, packed, group,
@@ -285,11 +287,27 @@ def _g32_op():
 
 
 @functools.cache
-def int4_g32_supported() -> bool:
-    """Whether radixlm's int4 kernel runs here (the op built with AVX512_BF16)."""
+def _bf16_dot() -> bool:
     op = _g32_op()
     return op is not None and bool(op.has_bf16_dot())
 
+
+def int4_g32_supported() -> bool:
+    """Whether radixlm's int4 kernel runs here (the op built with AVX512_BF16)."""
+    return _bf16_dot()
+
+
+def int8_rows_supported() -> bool:
+    """Whether radixlm's int8 kernel runs here (the op built with AVX512_BF16)."""
+    return _bf16_dot()
+
+
+def _mm_int8_rows(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return _g32_op().int8_mm(x, w, s)
+
+
+# From this many rows `INT8_ROWS` multiplies a float copy instead (measured crossover, README).
+INT8_ROWS_DEQUANT_MIN_ROWS = 64
 
 CUDA_INNER_K_TILES = 8
 
@@ -337,12 +355,27 @@ KERNELS: dict[tuple[str, int], QuantKernel] = {
 # bf16 prepacked 1644), so prefill runs it too (README, "Quantized weights").
 INT4_G32 = QuantKernel("radixlm int4_g32_mm", _pack_int4_g32, _mm_int4_g32, dequantize_int4_g32)
 
+# radixlm's int8 kernel on `_pack_int8`'s plain rows and bf16 row scales (the LM head of every
+# quantized mode, and `--quantization int8`'s linears): memory-bound at 1 row where torch's
+# kernel is compute-bound (README, "Quantized weights").
+INT8_ROWS = QuantKernel(
+    "radixlm int8_mm",
+    _pack_int8,
+    _mm_int8_rows,
+    _dequantize_int8,
+    _mm_dequantized_int8,
+    dequant_min_rows=INT8_ROWS_DEQUANT_MIN_ROWS,
+    plain_rows=True,
+)
+
 
 def get_kernel(device_type: str, bits: int, dtype: torch.dtype | None = None) -> QuantKernel:
-    """The kernel for `bits` on `device_type`; CPU int4 on bf16 activations (`dtype`) takes
-    radixlm's own kernel where it runs (AVX512_BF16), else torch's."""
+    """The kernel for `bits` on `device_type`; CPU int4 / int8 on bf16 activations (`dtype`)
+    take radixlm's own kernels where they run (AVX512_BF16), else torch's."""
     if (device_type, bits, dtype) == ("cpu", 4, torch.bfloat16) and int4_g32_supported():
         return INT4_G32
+    if (device_type, bits, dtype) == ("cpu", 8, torch.bfloat16) and int8_rows_supported():
+        return INT8_ROWS
     try:
         return KERNELS[(device_type, bits)]
     except KeyError:

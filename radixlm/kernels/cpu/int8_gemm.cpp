@@ -1,0 +1,178 @@
+// radixlm's int8 weight-only linear on CPUs with AVX512_BF16: y[T, N] = (x[T, K] @ q^T) * s[N],
+// q int8 [N, K] in plain rows (the same storage an int8 embedding gathers rows of: no second
+// copy), s bf16 [N] one scale per output row, x and y bf16. Made for the few-row regime (decode,
+// and the LM head of every quantized mode) where torch's `_weight_int8pack_mm` is compute-bound.
+//
+// Math, exact in the weights: each int8 is split into nibbles, q = 16 * hi + lo (hi signed in
+// [-8, 7], lo in [0, 15]); a 64-byte chunk of a weight row (64 inputs), shifted by 0 / 4 / 8 / 12
+// bits and mapped through a 32-entry `vpermw` table (word i -> bf16(i & 15), or bf16(16 *
+// sext4(i & 15)) for the high nibbles: all exact in bf16), gives four `vdpbf16ps` operands whose
+// 32-bit lane j pairs the inputs (4j, 4j + 2) (low bytes of each word) or (4j + 1, 4j + 3) (high
+// bytes). x is reordered to match once per call (`xa` / `xb` per chunk, zero past K). Products
+// and sums fp32; one multiply by the row scale and one rounding to bf16 at the end; a row's result
+// does not depend on the other rows of x. Lanes are input positions, so each output needs a
+// horizontal sum: 16 output rows are reduced together (`hsum16x16`). Each weight chunk is
+// expanded once per 8 input rows. Twin: `x.float() @ (q.float() * s.float()[:, None]).T`.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kOut = 16;     // output rows reduced together (lanes of one hsum16x16)
+constexpr int64_t kChunk = 64;   // inputs per weight chunk (one 64-byte load)
+constexpr int64_t kMaxRows = 8;  // input rows sharing one weight expansion
+
+#if defined(__AVX512BF16__)
+
+inline __m512bh dp_operand(__m512i words, __m512i table) {
+  return (__m512bh)_mm512_permutexvar_epi16(words, table);
+}
+
+// Rows [0, R) of the reordered x (row stride kp words) times output rows [0, nr) of w (row
+// stride K): y rows t (stride ldy), columns 0 .. nr - 1. Per (input row, output row) two
+// accumulators, the b0 + b1 products in one and b2 + b3 in the other, added at the end: the same
+// order for every R, so a row's result does not depend on the other rows (batch-invariant).
+template <int R>
+void block_rows(const uint16_t* xr, int64_t kp, const int8_t* w, int64_t K, int64_t nr,
+                const uint16_t* s, uint16_t* y, int64_t ldy, __m512i lo_tab, __m512i hi_tab) {
+  alignas(64) __m512 sums[R][kOut];
+  const int64_t chunks = kp / kChunk, full = K / kChunk;
+  for (int64_t n = 0; n < nr; ++n) {
+    const int8_t* wr = w + n * K;
+    __m512 acc[R][2];
+    for (int t = 0; t < R; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i v = c < full ? _mm512_loadu_si512(wr + c * kChunk)
+                                 : _mm512_maskz_loadu_epi8((~0ull) >> (kChunk - (K - c * kChunk)),
+                                                           wr + c * kChunk);
+      const __m512bh b0 = dp_operand(v, lo_tab);
+      const __m512bh b1 = dp_operand(_mm512_srli_epi16(v, 4), hi_tab);
+      const __m512bh b2 = dp_operand(_mm512_srli_epi16(v, 8), lo_tab);
+      const __m512bh b3 = dp_operand(_mm512_srli_epi16(v, 12), hi_tab);
+      for (int t = 0; t < R; ++t) {
+        const uint16_t* xc = xr + t * kp + c * kChunk;
+        const __m512bh xa = (__m512bh)_mm512_loadu_si512(xc);
+        const __m512bh xb = (__m512bh)_mm512_loadu_si512(xc + 32);
+        acc[t][0] = _mm512_dpbf16_ps(acc[t][0], b0, xa);
+        acc[t][1] = _mm512_dpbf16_ps(acc[t][1], b2, xb);
+        acc[t][0] = _mm512_dpbf16_ps(acc[t][0], b1, xa);
+        acc[t][1] = _mm512_dpbf16_ps(acc[t][1], b3, xb);
+      }
+    }
+    for (int t = 0; t < R; ++t) sums[t][n] = _mm512_add_ps(acc[t][0], acc[t][1]);
+  }
+  for (int t = 0; t < R; ++t)
+    for (int64_t i = nr; i < kOut; ++i) sums[t][i] = _mm512_setzero_ps();
+  const __mmask16 mr = static_cast<__mmask16>((1u << nr) - 1);
+  const __m512 scale = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(mr, s));
+  for (int t = 0; t < R; ++t) {
+    const __m512 out = _mm512_mul_ps(radixlm_cpu::hsum16x16(sums[t]), scale);
+    _mm256_mask_storeu_epi16(y + t * ldy, mr, (__m256i)_mm512_cvtneps_pbh(out));
+  }
+}
+
+// All T input rows, in balanced passes of at most kMaxRows, times one block of output rows.
+void block_all_rows(const uint16_t* xr, int64_t kp, int64_t T, const int8_t* w, int64_t K,
+                    int64_t nr, const uint16_t* s, uint16_t* y, int64_t N, __m512i lo_tab,
+                    __m512i hi_tab) {
+  const int64_t passes = (T + kMaxRows - 1) / kMaxRows;
+  for (int64_t i = 0, t0 = 0; i < passes; ++i) {  // balanced: 12 rows -> 6 + 6
+    const int64_t r = (T - t0 + (passes - i) - 1) / (passes - i);
+    const uint16_t* xt = xr + t0 * kp;
+    uint16_t* yt = y + t0 * N;
+    switch (r) {
+#define RADIXLM_ROWS(R) \
+  case R:               \
+    block_rows<R>(xt, kp, w, K, nr, s, yt, N, lo_tab, hi_tab); \
+    break;
+      RADIXLM_ROWS(1)
+      RADIXLM_ROWS(2)
+      RADIXLM_ROWS(3)
+      RADIXLM_ROWS(4)
+      RADIXLM_ROWS(5)
+      RADIXLM_ROWS(6)
+      RADIXLM_ROWS(7)
+      RADIXLM_ROWS(8)
+#undef RADIXLM_ROWS
+    }
+    t0 += r;
+  }
+}
+
+// x [T, K] bf16 -> [T, kp] words, kp = K rounded up to 64: per chunk c, xa (words 0..31) then xb
+// (words 32..63), xa word 2j = x[64c + 4j], 2j + 1 = x[64c + 4j + 2]; xb the same + 1. Zero past K.
+void reorder_x(const uint16_t* x, int64_t T, int64_t K, int64_t kp, uint16_t* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* xt = x + t * K;
+    uint16_t* o = out + t * kp;
+    for (int64_t c = 0; c < kp / kChunk; ++c)
+      for (int64_t j = 0; j < 16; ++j)
+        for (int64_t h = 0; h < 2; ++h)      // xa / xb
+          for (int64_t e = 0; e < 2; ++e) {  // first / second input of the pair
+            const int64_t k = c * kChunk + 4 * j + h + 2 * e;
+            o[c * kChunk + 32 * h + 2 * j + e] = k < K ? xt[k] : 0;
+          }
+  }
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+// y [T, N] bf16 = (x [T, K] bf16 @ w^T) * scales, w int8 [N, K], scales bf16 [N].
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              "int8_mm: w must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.dim() == 1 &&
+                  scales.is_contiguous() && scales.size(0) == w.size(0),
+              "int8_mm: scales must be contiguous bf16 [N]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "int8_mm: x must be bf16 [T, K]");
+  const int64_t T = x.size(0), N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x.size(1) == K, "int8_mm: x has ", x.size(1), " columns, the weight K = ", K);
+  at::Tensor y = at::empty({T, N}, x.options());
+#if defined(__AVX512BF16__)
+  if (T == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  const at::Tensor xc = x.contiguous();
+  const int64_t kp = (K + kChunk - 1) / kChunk * kChunk;
+  at::Tensor xr = at::empty({T, kp}, x.options());
+  auto* xrp = reinterpret_cast<uint16_t*>(xr.data_ptr<c10::BFloat16>());
+  reorder_x(reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>()), T, K, kp, xrp);
+  alignas(64) uint16_t lo[32], hi[32];
+  for (int i = 0; i < 32; ++i) {
+    const int v = i & 15;
+    lo[i] = c10::BFloat16(static_cast<float>(v)).x;
+    hi[i] = c10::BFloat16(static_cast<float>(16 * (v >= 8 ? v - 16 : v))).x;
+  }
+  const __m512i lo_tab = _mm512_load_si512(lo), hi_tab = _mm512_load_si512(hi);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr<c10::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, (N + kOut - 1) / kOut, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kOut;
+      block_all_rows(xrp, kp, T, wp + n0 * K, K, std::min<int64_t>(kOut, N - n0), sp + n0,
+                     yp + n0, N, lo_tab, hi_tab);
+    }
+  });
+#else
+  TORCH_CHECK(false, "int8_mm: this build has no AVX512_BF16");
+#endif
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
+  m.def("int8_mm(Tensor x, Tensor w, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
+  m.impl("int8_mm", &int8_mm);
+}
