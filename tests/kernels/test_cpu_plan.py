@@ -20,7 +20,7 @@ def batches(draw):
     shared_pages = [100 + 10 * g + i for g in range(3) for i in range(10)]
     next_page = 1000
     for _ in range(n):
-        e = draw(st.sampled_from([1, 1, 1, 3, 9]))
+        e = draw(st.sampled_from([1, 1, 1, 3, 9, 32, 100]))
         prefix = draw(st.integers(0, 48))
         seq = prefix + e
         pages = []
@@ -95,3 +95,22 @@ def test_every_row_covered_once(case):
             for lo, hi in spans:
                 covered.extend(range(lo, hi))
             assert covered == list(range(pos + 1)), (i, j, spans)
+
+
+def _extend_items(ext: list[int], seq: list[int], threads: int) -> list[int]:
+    """Query rows of each item of a plan with every row on its own pages."""
+    width = -(-max(seq) // PS)
+    table = torch.arange(len(ext) * width, dtype=torch.int32).reshape(len(ext), width)
+    plan = plan_work(ext, seq, table, PS, PlanConfig(threads=threads, min_shared_tokens=0))
+    return sorted(nq for _, _, nq, *_ in plan.items.tolist())
+
+
+def test_a_short_extend_over_a_long_prefix_uses_every_thread():
+    """32 new rows over 2048 keys (a returning turn): 4 items of 8 rows on 2 threads (2 per
+    thread), 2 of 16 on one; long prefills keep 64-row items; decode rows count as items."""
+    assert _extend_items([32], [2080], threads=2) == [8, 8, 8, 8]
+    assert _extend_items([32], [2080], threads=1) == [16, 16]
+    assert _extend_items([100], [2148], threads=2) == [4, 32, 32, 32]
+    assert _extend_items([512], [512], threads=2) == [64] * 8
+    assert _extend_items([32, 1, 1, 1, 1], [2080, 300, 300, 300, 300], threads=2).count(32) == 1
+    assert _extend_items([5], [2053], threads=2) == [5]  # not below 8 rows an item

@@ -31,10 +31,14 @@ ID = identity_digest({"test": "hicache"})
 
 
 class FakeIO:
-    """Pool page contents as bytes (the page key of the prefix it was computed for)."""
+    """Pool page contents as bytes (the page key of the prefix it was computed for). With
+    `page_bytes` (rank 0's: every payload is a 16-byte key) `HiCache.fetch` reads page files into
+    its reused buffers, so a payload must be copied on write (a kept view would change)."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, page_bytes: int | None = None) -> None:
         self.contents: list[bytes | None] = [None] * num_pages
+        if page_bytes is not None:
+            self.page_bytes = page_bytes
 
     def read_pages(self, pages: Sequence[int]) -> list[bytes]:
         out = [self.contents[p] for p in pages]
@@ -43,7 +47,7 @@ class FakeIO:
 
     def write_pages(self, pages: Sequence[int], payloads: Sequence[bytes]) -> None:
         for p, c in zip(pages, payloads, strict=True):
-            self.contents[p] = c
+            self.contents[p] = bytes(c)
 
 
 @dataclass
@@ -74,7 +78,7 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.ps = page_size
         self.pool = BlockPool(num_pages, page_size)
         self.cache = RadixCache(self.pool)
-        self.io = FakeIO(num_pages)
+        self.io = FakeIO(num_pages, page_bytes=16)
         self.capacity = tier_pages * 16  # a page's contents: a 16-byte key
         self.dir = tempfile.mkdtemp(prefix="hicache-sm-") if storage == "file" else None
         self.write_through = write_through

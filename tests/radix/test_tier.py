@@ -246,3 +246,41 @@ def test_reindex_keeps_the_newest_pages_within_a_smaller_capacity(tmp_path: Path
         small.check_integrity()
     finally:
         small.close()
+
+
+def test_get_reads_a_page_file_into_the_given_buffer(tmp_path: Path) -> None:
+    """`into`: the payload is read straight into the caller's buffer (a view of it is returned),
+    it is the caller's own copy (rewriting the file later does not change it), a too-small
+    buffer falls back to a plain read, and a corrupt file read this way is still dropped."""
+    store = FileTierStore(tmp_path, 1000, ID)
+    for i in (1, 2, 3):
+        store.put(_key(i), bytes([i]) * 20)
+    store.wait_writes()
+    buf = bytearray(64)
+    got = store.get(_key(1), memoryview(buf)[8:40])
+    assert isinstance(got, memoryview) and got.obj is buf and bytes(got) == b"\x01" * 20
+    assert buf[8:28] == b"\x01" * 20
+    path = store.path(_key(1))
+    path.write_bytes(encode_page_file(ID, _key(1), b"\x09" * 20))  # rewritten in place
+    assert bytes(got) == b"\x01" * 20
+    assert store.get(_key(2), memoryview(bytearray(10))) == b"\x02" * 20  # too small: plain read
+    path = store.path(_key(3))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert store.get(_key(3), memoryview(bytearray(64))) is None
+    assert not store.contains(_key(3)) and store.stats().dropped_pages == 1
+    store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread priorities are Linux's")
+def test_the_writer_runs_below_the_forwards_priority(tmp_path: Path) -> None:
+    from radixlm.radix.tier import WRITER_NICE
+
+    store = FileTierStore(tmp_path, 1000, ID)
+    store.put(_key(1), b"x" * 20)
+    store.wait_writes()
+    tid = store._writer.native_id
+    assert tid is not None and os.getpriority(os.PRIO_PROCESS, tid) == WRITER_NICE
+    assert os.getpriority(os.PRIO_PROCESS, 0) < WRITER_NICE  # the rest of the process is not
+    store.close()

@@ -307,7 +307,7 @@ def _mm_int8_rows(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
 
 
 # From this many rows `INT8_ROWS` multiplies a float copy instead (measured crossover, README).
-INT8_ROWS_DEQUANT_MIN_ROWS = 64
+INT8_ROWS_DEQUANT_MIN_ROWS = 48
 
 CUDA_INNER_K_TILES = 8
 

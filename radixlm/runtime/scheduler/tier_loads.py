@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from radixlm.radix import HiCache
+from radixlm.radix.hicache import Fetched
 from radixlm.runtime.request import Request
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class TierLoads:
         self.hicache = hicache
         self.on_done: Callable[[], None] | None = None  # wakes the engine loop
         self._pool: ThreadPoolExecutor | None = None
-        self._fetches: dict[int, tuple[Request, Future[dict[bytes, bytes]]]] = {}
+        self._fetches: dict[int, tuple[Request, Future[Fetched]]] = {}
 
     def ready(
         self, req: Request, tokens: Sequence[int], namespace: Hashable | None, start: int
@@ -69,7 +70,7 @@ class TierLoads:
     def _in_flight(self) -> bool:
         return any(not fut.done() for _, fut in self._fetches.values())
 
-    def take(self, req: Request) -> dict[bytes, bytes] | None:
+    def take(self, req: Request) -> Fetched | None:
         """The finished read's payloads by key (None: no read, or it failed)."""
         entry = self._fetches.pop(id(req), None)
         if entry is None or entry[0] is not req or not entry[1].done():
