@@ -144,20 +144,23 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::
     using T = decltype(tag);
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
+    // W pairs (i, i + half) of a head at a time; the position's cos / sin rounded to the
+    // activation dtype once per row for all its heads, as the eager model's cast tables are.
     auto rotate = [&](at::Tensor& x, int64_t r) {
       T* base = x.data_ptr<T>() + r * x.stride(0);
       const float* c = cp + pos[r] * d;
       const float* s = sp + pos[r] * d;
-      for (int64_t hh = 0; hh < x.size(1); ++hh) {
-        T* v = base + hh * x.stride(1);
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = to_f(v[i]), b = to_f(v[i + half]);
+      for (int64_t i = 0; i < half; i += W) {
+        const int64_t n = std::min<int64_t>(W, half - i);
+        const vf cl = round_v<T>(load_v(c + i, n)), sl = round_v<T>(load_v(s + i, n));
+        const vf ch = round_v<T>(load_v(c + half + i, n));
+        const vf sh = round_v<T>(load_v(s + half + i, n));
+        for (int64_t hh = 0; hh < x.size(1); ++hh) {
+          T* v = base + hh * x.stride(1);
+          const vf a = load_v(v + i, n), b = load_v(v + half + i, n);
           // rotate_half(x) = (-x2, x1)
-          const float lo = round_t<T>(a * round_t<T>(c[i])) + round_t<T>(-b * round_t<T>(s[i]));
-          const float hi =
-              round_t<T>(b * round_t<T>(c[i + half])) + round_t<T>(a * round_t<T>(s[i + half]));
-          v[i] = static_cast<T>(lo);
-          v[i + half] = static_cast<T>(hi);
+          store_v(v + i, round_v<T>(a * cl) + round_v<T>(-b * sl), n);
+          store_v(v + half + i, round_v<T>(b * ch) + round_v<T>(a * sh), n);
         }
       }
     };
