@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -33,7 +35,6 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output rows per block (lanes of an fp32 accumulator)
 constexpr int64_t kGroup = 32;  // inputs per scale / min
-constexpr int64_t kMaxRows = 8;  // input rows sharing one weight expansion
 
 void check_int4_g32(const at::Tensor& w, const at::Tensor& sm, const char* op) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
@@ -117,29 +118,10 @@ template <bool Full>
 void block_all_rows(const uint16_t* x, const float* xsum, const uint8_t* w, const c10::Half* sm,
                     uint16_t* y, int64_t T, int64_t N, int64_t K, int64_t nr, __m512i table) {
   const int64_t G = K / kGroup;
-  const int64_t chunks = (T + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, t0 = 0; i < chunks; ++i) {  // balanced: 12 rows -> 6 + 6
-    const int64_t r = (T - t0 + (chunks - i) - 1) / (chunks - i);
-    const uint16_t* xt = x + t0 * K;
-    const float* st = xsum + t0 * G;
-    uint16_t* yt = y + t0 * N;
-    switch (r) {
-#define RADIXLM_ROWS(R) \
-  case R:               \
-    block_rows<R, Full>(xt, st, w, sm, yt, N, K, nr, table); \
-    break;
-      RADIXLM_ROWS(1)
-      RADIXLM_ROWS(2)
-      RADIXLM_ROWS(3)
-      RADIXLM_ROWS(4)
-      RADIXLM_ROWS(5)
-      RADIXLM_ROWS(6)
-      RADIXLM_ROWS(7)
-      RADIXLM_ROWS(8)
-#undef RADIXLM_ROWS
-    }
-    t0 += r;
-  }
+  radixlm_cpu::row_passes(T, [&](auto R, int64_t t0) {
+    block_rows<decltype(R)::value, Full>(x + t0 * K, xsum + t0 * G, w, sm, y + t0 * N, N, K, nr,
+                                         table);
+  });
 }
 
 #endif  // __AVX512BF16__

@@ -28,7 +28,6 @@ namespace {
 
 constexpr int64_t kOut = 16;     // output rows reduced together (lanes of one hsum16x16)
 constexpr int64_t kChunk = 64;   // inputs per weight chunk (one 64-byte load)
-constexpr int64_t kMaxRows = 8;  // input rows sharing one weight expansion
 
 #if defined(__AVX512BF16__)
 
@@ -79,32 +78,13 @@ void block_rows(const uint16_t* xr, int64_t kp, const int8_t* w, int64_t K, int6
   }
 }
 
-// All T input rows, in balanced passes of at most kMaxRows, times one block of output rows.
+// All T input rows, in balanced passes (`row_passes`), times one block of output rows.
 void block_all_rows(const uint16_t* xr, int64_t kp, int64_t T, const int8_t* w, int64_t K,
                     int64_t nr, const uint16_t* s, uint16_t* y, int64_t N, __m512i lo_tab,
                     __m512i hi_tab) {
-  const int64_t passes = (T + kMaxRows - 1) / kMaxRows;
-  for (int64_t i = 0, t0 = 0; i < passes; ++i) {  // balanced: 12 rows -> 6 + 6
-    const int64_t r = (T - t0 + (passes - i) - 1) / (passes - i);
-    const uint16_t* xt = xr + t0 * kp;
-    uint16_t* yt = y + t0 * N;
-    switch (r) {
-#define RADIXLM_ROWS(R) \
-  case R:               \
-    block_rows<R>(xt, kp, w, K, nr, s, yt, N, lo_tab, hi_tab); \
-    break;
-      RADIXLM_ROWS(1)
-      RADIXLM_ROWS(2)
-      RADIXLM_ROWS(3)
-      RADIXLM_ROWS(4)
-      RADIXLM_ROWS(5)
-      RADIXLM_ROWS(6)
-      RADIXLM_ROWS(7)
-      RADIXLM_ROWS(8)
-#undef RADIXLM_ROWS
-    }
-    t0 += r;
-  }
+  radixlm_cpu::row_passes(T, [&](auto R, int64_t t0) {
+    block_rows<decltype(R)::value>(xr + t0 * kp, kp, w, K, nr, s, y + t0 * N, N, lo_tab, hi_tab);
+  });
 }
 
 // x [T, K] bf16 -> [T, kp] words, kp = K rounded up to 64: per chunk c, xa (words 0..31) then xb
