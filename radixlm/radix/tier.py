@@ -278,8 +278,10 @@ def _read_page_file(
         got = os.readv(fd, [payload]) if len(payload) else 0
     finally:
         os.close(fd)
-    if got != len(payload) or not _page_ok(identity, key, header, payload):
-        return None  # shorter than its size said (changed while read), or does not verify
+    if len(header) != HEADER_BYTES or got != len(payload):
+        return None  # shorter than its size said: changed while read
+    if not _page_ok(identity, key, header, payload):
+        return None
     return payload
 
 
