@@ -11,10 +11,11 @@ Two stores with one interface (``TierStore``):
 - ``FileTierStore``: one file per page under a directory, written by a background thread
   (``tmp`` + ``fsync`` + ``rename``: a reader sees a whole file or none); each file starts with
   a header carrying the store's identity digest, the key, the payload length and a checksum
-  over key and payload. ``get`` verifies all of it: a torn, truncated, corrupt or foreign file is
-  dropped (deleted) and reported as a miss, never served. On start the directory is re-indexed
-  from the headers (warm restart), oldest file first in the LRU. A failed write (a full disk:
-  ``OSError``) drops that page and is logged once; the store keeps serving.
+  over key and payload (the format: ``page_file.py``). ``get`` verifies all of it: a torn,
+  truncated, corrupt or foreign file is dropped (deleted) and reported as a miss, never served.
+  On start the directory is re-indexed from the headers (warm restart), oldest file first in
+  the LRU. A failed write (a full disk: ``OSError``) drops that page and is logged once; the
+  store keeps serving.
 
 Invariants (``check_integrity``): ``used_bytes`` is the sum of the indexed payload sizes and
 never exceeds ``capacity_bytes`` after a ``put`` returns; the index is in LRU order (oldest
@@ -27,23 +28,24 @@ import hashlib
 import logging
 import os
 import queue
-import struct
 import threading
-import zlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixlm.radix.page_file import (
+    HEADER_BYTES,
+    ID_BYTES,
+    KEY_BYTES,
+    header_key,
+    page_file_header,
+    read_page_file,
+)
+
 logger = logging.getLogger(__name__)
 
-KEY_BYTES = 16  # blake2b digest size of a page key
-ID_BYTES = 16  # digest size of a store's identity (model, dtype, page size, KV layout, tokenizer)
-_MAGIC = b"RLMKV1\x00\x00"
-# magic, identity digest, key, payload length, crc32 over key + payload
-_HEADER = struct.Struct(f"<8s{ID_BYTES}s{KEY_BYTES}sQI")
-HEADER_BYTES = _HEADER.size
 _SUFFIX = ".kv"
 
 
@@ -218,34 +220,6 @@ class HostTierStore(TierStore):
         self._data.pop(key, None)
 
 
-def page_file_header(identity: bytes, key: bytes, payload: bytes) -> bytes:
-    """A page file's header: identity, key, payload length and checksum."""
-    crc = zlib.crc32(payload, zlib.crc32(key))
-    return _HEADER.pack(_MAGIC, identity, key, len(payload), crc)
-
-
-def encode_page_file(identity: bytes, key: bytes, payload: bytes) -> bytes:
-    """A page file's bytes: the header (identity, key, length, checksum), then the payload."""
-    return page_file_header(identity, key, payload) + payload
-
-
-def decode_page_file(identity: bytes, key: bytes | None, data: bytes) -> bytes | None:
-    """The payload of a page file if it is whole, ours (``identity``), for ``key`` (any key
-    when None) and its checksum holds; else None. The payload is a view of ``data``."""
-    if len(data) < HEADER_BYTES:
-        return None
-    payload = memoryview(data)[HEADER_BYTES:]
-    return payload if _page_ok(identity, key, data[:HEADER_BYTES], payload) else None
-
-
-def _page_ok(identity: bytes, key: bytes | None, header: bytes, payload: bytes) -> bool:
-    """Whether a page file's header and payload are whole, ours and for ``key`` (any: None)."""
-    magic, ident, fkey, length, crc = _HEADER.unpack_from(header)
-    if magic != _MAGIC or ident != identity or (key is not None and fkey != key):
-        return False
-    return len(payload) == length and zlib.crc32(payload, zlib.crc32(fkey)) == crc
-
-
 # The background writer's CPU priority (nice), below the forward's threads: on a box whose cores
 # all run the forward, a write-back of evicted pages at equal priority slowed the step that
 # loads a returning conversation by ~40% (measured in process, 2 cores).
@@ -258,31 +232,6 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):  # not Linux, or not permitted: advice only
         pass
-
-
-def _read_page_file(
-    path: Path, identity: bytes, key: bytes, into: memoryview | None
-) -> bytes | None:
-    """A page file's verified payload (None: torn, corrupt or foreign). Read with one ``read`` of
-    the file's size (``Path.read_bytes`` grows its buffer as it reads: ~8x slower here on a 360
-    KB page), or with ``into`` (large enough) straight into that buffer: no copy into fresh
-    memory, whose page faults cost more than the read (a 2048-token conversation, 128 files:
-    ~31 ms of faults per copy). Raises OSError when the file cannot be read."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if into is None or not HEADER_BYTES <= size <= HEADER_BYTES + len(into):
-            return decode_page_file(identity, key, os.read(fd, size + 1))
-        header = os.read(fd, HEADER_BYTES)
-        payload = into[: size - HEADER_BYTES]
-        got = os.readv(fd, [payload]) if len(payload) else 0
-    finally:
-        os.close(fd)
-    if len(header) != HEADER_BYTES or got != len(payload):
-        return None  # shorter than its size said: changed while read
-    if not _page_ok(identity, key, header, payload):
-        return None
-    return payload
 
 
 class FileTierStore(TierStore):
@@ -332,7 +281,7 @@ class FileTierStore(TierStore):
         if pending is not None:
             return pending[0]
         try:
-            payload = _read_page_file(self.path(key), self.identity, key, into)
+            payload = read_page_file(self.path(key), self.identity, key, into)
         except OSError:
             return None
         if payload is None:
@@ -433,7 +382,7 @@ class FileTierStore(TierStore):
                     head = f.read(HEADER_BYTES)
             except OSError:
                 continue
-            key = _header_key(self.identity, head, st.st_size)
+            key = header_key(self.identity, head, st.st_size)
             if key is None or path.name != key.hex() + _SUFFIX:
                 self._dropped += 1
                 logger.warning("hicache: ignoring and removing bad page file %s", path)
@@ -455,15 +404,6 @@ class FileTierStore(TierStore):
                 "hicache: re-indexed %d pages (%.1f MB) under %s",
                 len(self._index), self._used / 1e6, self.directory,
             )  # fmt: skip
-
-
-def _header_key(identity: bytes, head: bytes, file_size: int) -> bytes | None:
-    if len(head) < HEADER_BYTES:
-        return None
-    magic, ident, key, length, _ = _HEADER.unpack_from(head)
-    if magic != _MAGIC or ident != identity or file_size != HEADER_BYTES + length:
-        return None
-    return key
 
 
 def _unlink(path: Path) -> None:

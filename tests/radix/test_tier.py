@@ -15,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from radixlm.radix.page_file import HEADER_BYTES, decode_page_file, encode_page_file
 from radixlm.radix.tier import (
-    HEADER_BYTES,
     FileTierStore,
     HostTierStore,
     TierStore,
-    decode_page_file,
-    encode_page_file,
     identity_digest,
     open_file_store,
     page_keys,
