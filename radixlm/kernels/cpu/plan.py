@@ -104,14 +104,17 @@ def _shared_groups(
 MIN_EXTEND_BLOCK = 8  # query rows per extend item, at least (the register tiles' rows and more)
 
 
-def _extend_block(extend_lens: list[int], num_items: int, cfg: PlanConfig) -> int:
+def _extend_block(
+    extend_lens: list[int], num_items: int, grouped: set[int], cfg: PlanConfig
+) -> int:
     """Query rows per extend item: `cfg.extend_block`, or fewer (in steps of 8, down to
     `MIN_EXTEND_BLOCK`) when the step would otherwise have fewer than two items per thread, so
     that a short extend over a long prefix (a returning turn's new message over its history, a
     prompt's last chunk) runs on every thread: each item reads all its keys, which costs less
     than idle threads (measured: 32 rows over 2048 keys, 2 threads, 1.26 -> ~0.7 ms a layer)."""
     extend_rows = sum(e for e in extend_lens if e > 1)
-    items = num_items + sum(1 for e in extend_lens if e == 1)
+    # items so far (shared-prefix groups, `grouped` rows) + one per other decode row + extends
+    items = num_items + sum(1 for r, e in enumerate(extend_lens) if e == 1 and r not in grouped)
     items += sum(-(-e // cfg.extend_block) for e in extend_lens if e > 1)
     target = 2 * cfg.threads
     if extend_rows == 0 or items >= target:
@@ -186,7 +189,7 @@ def plan_work(
         grouped.update(reqs)
         num_shared += n_shared
 
-    block = _extend_block(extend_lens, len(items), cfg)
+    block = _extend_block(extend_lens, len(items), grouped, cfg)
     for r, (e, n) in enumerate(zip(extend_lens, seq_lens)):
         if r in grouped:
             continue
