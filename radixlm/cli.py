@@ -25,6 +25,11 @@ _HELP = {
     "num_threads": "torch CPU threads (the forward's team, pinned one per CPU)",
     "enforce_eager": "run the eager reference model instead of the CPU compiled forward "
     "(prepacked oneDNN linears, fused C++ layer ops, one decoder_stack call)",
+    "load_format": "auto (the checkpoint's weights) | dummy (random weights from config.json: "
+    "benchmarks of a model's shape)",
+    "cuda_graph_max_bs": "CUDA: decode batches of up to this many requests replay CUDA graphs "
+    "(0: none)",
+    "disable_cuda_graph": "CUDA: run every forward eagerly (no CUDA graphs)",
     "quantization": "weight-only quantization: none | int8 (per output channel) | int4 "
     "(groups of --quantization-group-size) | gguf (a .gguf model's own Q8_0/Q4_0/Q4_1/Q4_K "
     "blocks); the embedding is int8 in every quantized mode",

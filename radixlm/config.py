@@ -9,6 +9,7 @@ from radixlm.runtime.errors import ConfigError
 # Weight-only quantization (`radixlm.runtime.quantization`): "none" keeps the checkpoint's floats,
 # "int8" / "int4" quantize them at load time, "gguf" loads a .gguf's own blocks as they ship.
 QUANTIZATION_MODES = ("none", "int8", "int4", "gguf")
+LOAD_FORMATS = ("auto", "dummy")
 # int4 group sizes offered (a linear whose K the chosen size does not divide takes the largest
 # offered one that does: 128 does not divide SmolLM2's 576).
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -154,6 +155,13 @@ class EngineConfig:
     # the reference forward (eager ATen ops, F.linear) instead of the compiled one (CPU:
     # oneDNN-prepacked linears and fused C++ layer ops); vLLM's name
     enforce_eager: bool = False
+    # "auto": the checkpoint's weights; "dummy": random weights, config.json only (benchmarks of
+    # a model's shape); vLLM's and SGLang's name
+    load_format: str = "auto"
+    # CUDA: decode batches of up to this many requests replay CUDA graphs (capped at
+    # max_running_requests; 0 or disable_cuda_graph: none); SGLang's names
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
     # weight-only quantization of the linears, one of QUANTIZATION_MODES (KV cache stays `dtype`)
     quantization: str = "none"
     # int4 group size, one of INT4_GROUP_SIZES: 32 measured far more accurate on SmolLM2 than 64
@@ -190,6 +198,16 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
+            )
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ConfigError("load_format 'dummy' cannot be combined with quantization 'gguf'")
+        if self.load_format == "dummy" and self.tp_size > 1:
+            raise ConfigError("load_format 'dummy' does not support tp_size > 1 yet")
+        if self.cuda_graph_max_bs < 0:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             raise ConfigError(
                 f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "

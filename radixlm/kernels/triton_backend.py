@@ -77,7 +77,12 @@ class TritonAttentionBackend:
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
-        """Plan once per forward (shared by all layers)."""
+        """Plan once per forward (shared by all layers).
+
+        Every launch reads only device tensors of `batch` and of this plan (no host copy of a
+        length enters a kernel), so a decode-only forward is capturable in a CUDA graph: the
+        host lists decide only which kernels run, their grids and the split-KV factor (a
+        graph's capture batch claims the longest context it serves)."""
         device = batch.page_table.device
         self._batch = batch
         self.kv_indptr = page_table_indptr(batch.page_table)  # [B + 1] int32
@@ -170,4 +175,6 @@ class TritonAttentionBackend:
 
 
 def _index_tensor(idx: list[int], device: torch.device) -> torch.Tensor:
+    if not idx:  # NOTE: no host copy at all (a CUDA graph capture refuses one)
+        return torch.empty(0, dtype=torch.int32, device=device)
     return torch.tensor(idx, dtype=torch.int32).to(device, non_blocking=True)

@@ -93,6 +93,13 @@ class EngineParts:
         self._grammar: GrammarManager | None = None
         self._grammar_lock = threading.Lock()
 
+    def _cuda_graph_max_bs(self) -> int:
+        """The largest decode batch that gets a CUDA graph (0: none)."""
+        cfg = self.config
+        if cfg.disable_cuda_graph:
+            return 0
+        return min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+
     def _make_runner(self) -> Any:
         """A `ModelRunner`, or with `tp_size > 1` rank 0's `TensorParallelRunner` (which
         starts the other ranks and runs every forward on all of them)."""
@@ -111,6 +118,8 @@ class EngineParts:
                 quantization_lm_head=cfg.quantization_lm_head,
                 extra_bytes_per_page=self._draft_bytes_per_page(),
                 hybrid_swa=True,
+                load_format=cfg.load_format,
+                cuda_graph_max_bs=self._cuda_graph_max_bs(),
             )
         from radixlm.runtime.distributed.parallel_state import DistributedConfig
         from radixlm.runtime.distributed.tp_runner import TensorParallelRunner
@@ -190,6 +199,8 @@ class EngineParts:
             quantization=cfg.speculative_draft_quantization,
             quantization_group_size=cfg.quantization_group_size,
             quantization_lm_head=cfg.quantization_lm_head,
+            load_format=cfg.load_format,
+            cuda_graph_max_bs=self._cuda_graph_max_bs(),
         )
         return DraftModel(runner, self.eos_token_ids, seed=cfg.seed)
 

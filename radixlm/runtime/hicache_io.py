@@ -61,7 +61,10 @@ class KVPageIO:
         """The staging buffer's first ``num_pages`` pages, ``[P, 2L, page_size, Hkv, D]``."""
         nbytes = num_pages * self.page_bytes
         if self._staging.numel() < nbytes:
-            self._staging = torch.zeros(nbytes, dtype=torch.uint8)
+            # NOTE: pinned for a GPU pool: the host-to-device copy then runs at the link's speed
+            # (pageable memory is copied through a driver bounce buffer first).
+            pin = self.device.type == "cuda"
+            self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         return self._staging[:nbytes].view(self.dtype).view(num_pages, *self.page_shape)
 
     @property

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.config import CacheConfig
+from radixlm.config import LOAD_FORMATS, CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.hybrid import HybridAttention, HybridKVCache
 from radixlm.kernels.registry import (
@@ -18,6 +18,7 @@ from radixlm.kernels.registry import (
     preferred_kv_layout,
     resolve_backend_name,
 )
+from radixlm.runtime.cuda_graph import DecodeGraphs, GraphCapture
 from radixlm.runtime.models.registry import check_architecture, check_quantization, model_class
 
 if TYPE_CHECKING:
@@ -92,6 +93,9 @@ class ModelRunner:
         quantization_lm_head: str = "int8",
         extra_bytes_per_page: int = 0,
         hybrid_swa: bool = False,
+        load_format: str = "auto",
+        cuda_graph_max_bs: int = 0,
+        graph_capture: GraphCapture | None = None,
     ) -> None:
         """`tp`: this rank's tensor-parallel group; the model and the KV buffers are then this
         rank's shard (`radixlm.runtime.distributed.sharding`). `matmul_dtype`: see
@@ -103,7 +107,12 @@ class ModelRunner:
         pool with this one's page count (a draft model's K/V), paid from the same KV budget.
         `hybrid_swa`: the caller owns a `HybridBlockPool` and binds its page map
         (`bind_swa_map`), so sliding-window layers get their own, smaller KV buffers (see
-        `_hybrid`); off, every layer has a page for every position."""
+        `_hybrid`); off, every layer has a page for every position. `load_format`: `auto`
+        reads the checkpoint, `dummy` fills random weights (needs only config.json: benchmarks
+        of a model's shape; vLLM's and SGLang's name). `cuda_graph_max_bs` > 0: decode-only
+        forwards of up to that many requests replay CUDA graphs (`radixlm.runtime.cuda_graph`)
+        where the forward is capturable (see `_graphs_unsupported`); `graph_capture` replaces
+        the CUDA capture (tests)."""
         from radixlm.runtime.models.cpu_linear import compute_dtype
         from radixlm.runtime.models.model_info import load_model_info
 
@@ -121,14 +130,19 @@ class ModelRunner:
         )
         self.tp = tp
         self.quantization = quantization
-        weights = self._checkpoint(model_dir, hf_config)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+        if load_format == "dummy" and quantization == "gguf":
+            raise ValueError("load_format 'dummy' has no GGUF blocks to load (quantization gguf)")
+        weights = None if load_format == "dummy" else self._checkpoint(model_dir, hf_config)
         model_config = hf_config
         if tp is not None and tp.world_size > 1:
             from radixlm.runtime.distributed import sharding
 
             spec = sharding.shard_spec(hf_config, tp.world_size, tp.rank)
             model_config = sharding.shard_config(hf_config, spec)
-            weights = sharding.shard_weights(weights, spec)
+            if weights is not None:
+                weights = sharding.shard_weights(weights, spec)
         self.model_config = model_config  # this rank's shapes (== hf_config without TP)
         with torch.device("meta"):
             model = model_class(arch)(model_config, max_positions=self.max_model_len)
@@ -137,7 +151,11 @@ class ModelRunner:
         model.to_empty(device=device)
         model.to(self.compute_dtype)
         model.tie_weights()
-        staged = model.load_weights(weights)
+        if weights is None:
+            from radixlm.runtime.models.loader import init_dummy_weights
+
+            init_dummy_weights(model)
+        staged = {} if weights is None else model.load_weights(weights)
         if staged:  # a GGUF's blocks
             from radixlm.runtime.quantization import install_quantized
 
@@ -172,14 +190,17 @@ class ModelRunner:
                 model_config.num_key_value_heads, model.head_dim, self.dtype, device, layout,
             )  # fmt: skip
             self.attn = HybridAttention(self.attention_backend_name, self.kv_cache)
+            graphs_off = "a hybrid sliding-window pool"
         else:
             self.num_pages = self._num_pages(cache_config, extra_bytes_per_page)
             if tp is not None and tp.world_size > 1:
                 # Page ids are the scheduler's (rank 0's): every rank needs the same pool size.
                 self.num_pages = tp.min_over_ranks(self.num_pages)
+            graphs_off = self._graphs_unsupported(cuda_graph_max_bs, enforce_eager, graph_capture)
+            # NOTE: with graphs, one page past the pool's: the padding rows' scratch page.
             self.kv_cache = KVCache.allocate(
                 hf_config.num_hidden_layers,
-                self.num_pages,
+                self.num_pages + (graphs_off is None),
                 self.page_size,
                 model_config.num_key_value_heads,
                 model.head_dim,
@@ -190,6 +211,19 @@ class ModelRunner:
             self.attn = create_attention_backend(self.attention_backend_name, self.kv_cache)
         self.enforce_eager = enforce_eager
         self.layer_ops, self.linear_method = self._prepare_forward(model)
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs_off is None:
+            self.decode_graphs = DecodeGraphs(
+                model, self.attn, self.page_size, self.max_model_len, self.scratch_page,
+                cuda_graph_max_bs, device, graph_capture,
+            )  # fmt: skip
+            self.decode_graphs.capture_all()
+            logger.info(
+                "CUDA graphs: decode batches of %s requests captured in %.1f s",
+                self.decode_graphs.buckets, self.decode_graphs.capture_seconds,
+            )  # fmt: skip
+        elif device.type == "cuda":
+            logger.info("CUDA graphs off: %s", graphs_off)
         from radixlm.runtime.models.weight_bytes import resident_weight_bytes
 
         self.weight_bytes = resident_weight_bytes(model)
@@ -208,6 +242,28 @@ class ModelRunner:
             quantization,
             self.weight_bytes / 1e6,
         )
+
+    @property
+    def scratch_page(self) -> int:
+        """The page past the pool's that CUDA graphs' padding rows write (allocated only with
+        graphs; no request ever holds it)."""
+        return self.num_pages
+
+    def _graphs_unsupported(
+        self, max_bs: int, enforce_eager: bool, capture: GraphCapture | None
+    ) -> str | None:
+        """Why decode forwards do not replay graphs here (None: they do)."""
+        if max_bs <= 0:
+            return "cuda_graph_max_bs 0"
+        if enforce_eager:
+            return "enforce_eager"
+        if self.attention_backend_name != "triton":
+            return f"attention backend {self.attention_backend_name!r} plans on the host"
+        if self.device.type != "cuda" and capture is None:
+            return f"device {self.device.type}"
+        if self.tp is not None and self.tp.world_size > 1:
+            return "tensor parallel (the all-reduce is not captured)"
+        return None
 
     def _checkpoint(self, model_dir: Path, hf_config):
         """The checkpoint's `(name, tensor)` stream: the safetensors, or with `gguf` the source
@@ -345,5 +401,14 @@ class ModelRunner:
         self.kv_cache.bind_swa_map(torch.frombuffer(swa_map, dtype=torch.int32))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
+        """The logits of `batch.logits_indices`: a decode graph's replay where one serves the
+        batch, else the eager forward."""
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self.forward_eager(batch)
+
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
         self.attn.init_forward(batch)
         return self.model(batch, self.attn)

@@ -266,3 +266,48 @@ def test_real_gguf_conversion_matches_default(
         torch.testing.assert_close(got[name], ref[name], rtol=0, atol=0)
     with mock.patch.object(loader, "convert_gguf", side_effect=AssertionError("reconverted")):
         assert resolve_model_path(gguf) == out
+
+
+# ---------------------------------------------------------------------------------------------
+# load_format="dummy": random weights from config.json alone
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dummy_weights_need_only_the_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A directory with config.json and no weights runs with `load_format="dummy"`: norms 1,
+    the other weights random (std 0.02), finite logits; the checkpoint is never opened."""
+    from radixlm.config import CacheConfig
+    from radixlm.runtime.model_runner import ModelRunner
+
+    (tmp_path / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        ModelRunner(tmp_path, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=8))
+    runner = ModelRunner(
+        tmp_path, "float32", torch.device("cpu"), CacheConfig(page_size=4, num_pages=8),
+        attention_backend="torch", enforce_eager=True, load_format="dummy",
+    )  # fmt: skip
+    model = runner.model
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    w = model.layers[0].self_attn.qkv_proj.weight.detach()
+    assert 0.015 < float(w.std()) < 0.025 and abs(float(w.mean())) < 0.005
+    from radixlm.kernels.forward_batch import ForwardBatch
+
+    batch = ForwardBatch.build([[5, 6, 7]], [0], [[0]], [[2]], 4, "cpu")
+    assert torch.isfinite(runner.forward(batch)).all()
+    with pytest.raises(ValueError, match="load_format"):
+        ModelRunner(tmp_path, "float32", torch.device("cpu"), CacheConfig(), load_format="x")
+
+
+def test_engine_config_checks_load_format_and_graph_flags() -> None:
+    from radixlm.config import EngineConfig
+    from radixlm.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="load_format"):
+        EngineConfig(load_format="npz")
+    with pytest.raises(ConfigError, match="gguf"):
+        EngineConfig(load_format="dummy", quantization="gguf")
+    with pytest.raises(ConfigError, match="tp_size"):
+        EngineConfig(load_format="dummy", tp_size=2)
+    with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
+        EngineConfig(cuda_graph_max_bs=-1)
+    assert EngineConfig().cuda_graph_max_bs == 64 and not EngineConfig().disable_cuda_graph

@@ -358,3 +358,21 @@ def load_tokenizer(model_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """`load_format="dummy"`: random weights in place of a checkpoint (benchmarks of a model's
+    shape). Norm weights 1, biases 0, every other parameter normal(0, `std`), drawn on the
+    parameter's own device from `seed`."""
+    from radixlm.runtime.models.layers import RMSNorm
+
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in norms:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std)
