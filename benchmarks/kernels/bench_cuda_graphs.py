@@ -64,6 +64,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk of the recompute")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="kernel time table of an eager step")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -208,6 +209,8 @@ def main() -> int:
             }
             if spec:
                 row["floor_ms_at_spec"] = round(floor_bytes / (spec * 1e12) * 1e3, 3)
+            if args.profile and device.type == "cuda":
+                row["kernels"] = kernel_table(torch, lambda fb=batch: runner.forward_eager(fb))
             result["decode"].append(row)
         except Exception:
             result["decode"].append({"batch": b, "error": traceback.format_exc()[-2000:]})
@@ -221,6 +224,26 @@ def main() -> int:
         save()
     print(json.dumps(result, indent=1), flush=True)
     return 0
+
+
+def kernel_table(torch, fn, top: int = 12) -> list[tuple[str, float, int]]:
+    """(kernel, GPU ms per step, launches per step) of one step, the most costly first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    steps = 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0 and e.key not in ("", "Activity Buffer Request"):
+            rows.append((e.key[:80], round(t / 1e3 / steps, 3), e.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
 
 
 def returning(torch, device, runner, ForwardBatch, KVPageIO, args) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ from radixlm.radix import (
 logger = logging.getLogger(__name__)
 
 GB = 1024**3
+# a GPU pool's loads: host-to-device copies of this many bytes overlap filling the next ones
+UPLOAD_CHUNK_BYTES = 64 << 20
 # files of a model directory that decide what its K/V are (weights, config, tokenizer)
 _MODEL_FILE_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".model", ".txt")
 
@@ -56,6 +59,7 @@ class KVPageIO:
         # [2 * L, page_size, Hkv, D] per page
         self.page_shape = (2 * len(kv.k_buffers), self.page_size, *buf.shape[1:])
         self._staging = torch.empty(0, dtype=torch.uint8)
+        self._uploaded: torch.cuda.Event | None = None  # a GPU pool's last staged upload
 
     def _stage(self, num_pages: int) -> torch.Tensor:
         """The staging buffer's first ``num_pages`` pages, ``[P, 2L, page_size, Hkv, D]``."""
@@ -106,13 +110,38 @@ class KVPageIO:
             if len(p) != pb:
                 raise ValueError(f"page payload of {len(p)} bytes, expected {pb}")
         host = self._stage(len(pages))
-        arr = host.view(torch.uint8).reshape(-1).numpy()
-        for i, p in enumerate(payloads):
-            arr[i * pb : (i + 1) * pb] = np.frombuffer(p, np.uint8)
-        data = host.to(self.device)
+        if self.device.type == "cuda":
+            data = self._upload(payloads)
+        else:
+            arr = host.view(torch.uint8).reshape(-1).numpy()
+            for i, p in enumerate(payloads):
+                arr[i * pb : (i + 1) * pb] = np.frombuffer(p, np.uint8)
+            data = host
         idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
         for i, buf in enumerate(self._paged()):
             buf.index_copy_(0, idx, data[:, i])  # [P, ps, H, D] strided source
+
+    def _upload(self, payloads: Sequence[bytes]) -> torch.Tensor:  # [P, 2L, ps, Hkv, D]
+        """A GPU pool's load: the payloads copied into the pinned staging buffer in chunks of
+        `UPLOAD_CHUNK_BYTES` (torch's parallel copy), each chunk's host-to-device copy running
+        while the next is filled. The staging buffer is refilled only after the previous
+        load's copies have finished (`_uploaded`)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        n, pb = len(payloads), self.page_bytes
+        flat = self._staging[: n * pb].view(n, pb)
+        dev = torch.empty((n, pb), dtype=torch.uint8, device=self.device)
+        step = max(1, UPLOAD_CHUNK_BYTES // pb)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # NOTE: read-only payloads are only read
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                for i in range(s, e):
+                    flat[i].copy_(torch.frombuffer(payloads[i], dtype=torch.uint8))
+                dev[s:e].copy_(flat[s:e], non_blocking=True)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+        return dev.view(self.dtype).view(n, *self.page_shape)
 
 
 def _files_identity(directory: Path) -> list[tuple[str, int, int]]:
