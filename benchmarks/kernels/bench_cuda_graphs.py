@@ -38,18 +38,9 @@ import time
 import traceback
 from pathlib import Path
 
-LLAMA3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model_step import LLAMA3_8B  # noqa: E402  (the one copy of the shape)
+
 TINY = dict(LLAMA3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
             max_position_embeddings=256)  # fmt: skip
