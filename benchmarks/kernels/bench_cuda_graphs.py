@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="kernel time table of an eager step")
+    p.add_argument("--engine-concurrency", default="", help="e.g. 1,32: the engine section")
+    p.add_argument("--engine-prompt", type=int, default=128)
+    p.add_argument("--engine-output", type=int, default=128)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
@@ -213,8 +216,63 @@ def main() -> int:
         except Exception:
             result["returning"] = {"error": traceback.format_exc()[-2000:]}
         save()
+    if args.engine_concurrency:
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            result["engine"] = engine_section(torch, device, cfg, args)
+        except Exception:
+            result["engine"] = {"error": traceback.format_exc()[-2000:]}
+        save()
     print(json.dumps(result, indent=1), flush=True)
     return 0
+
+
+def engine_section(torch, device, cfg, args) -> list[dict]:
+    """Output tok/s of the whole engine (scheduler, executor, sampling) with and without
+    graphs: `c` prompts of `--engine-prompt` random tokens submitted together, each decoding
+    `--engine-output` tokens (ignore_eos), on the model's shape with SmolLM2's tokenizer (its
+    49152-token vocabulary, so every sampled id detokenizes)."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    from radixlm import Engine, SamplingParams
+    from radixlm.runtime.models.loader import resolve_model_path
+
+    tok_dir = resolve_model_path(None, need_weights=False)
+    model_dir = Path(tempfile.mkdtemp())
+    LlamaConfig(**dict(cfg, vocab_size=49152)).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, model_dir / name)
+    sizes = [int(c) for c in args.engine_concurrency.split(",")]
+    params = SamplingParams(max_new_tokens=args.engine_output, temperature=0, ignore_eos=True)
+    rows = []
+    for graphs in (True, False):
+        with Engine(
+            str(model_dir), dtype="bfloat16", device=str(device), load_format="dummy",
+            max_running_requests=max(sizes), cuda_graph_max_bs=max(sizes),
+            disable_cuda_graph=not graphs, kv_memory_fraction=0.3,
+        ) as engine:  # fmt: skip
+            for c in sizes:
+                prompts = [
+                    [(r * 7919 + j * 104729) % 49000 + 100 for j in range(args.engine_prompt)]
+                    for r in range(c)
+                ]
+                engine.generate(prompts[:1], SamplingParams(max_new_tokens=4))  # warm-up
+                t = time.perf_counter()
+                out = engine.generate(prompts, params)
+                dt = time.perf_counter() - t
+                n = sum(len(o.output_token_ids) for o in out)
+                rows.append({
+                    "graphs": graphs and engine.runner.decode_graphs is not None,
+                    "concurrency": c,
+                    "output_tokens": n,
+                    "seconds": round(dt, 3),
+                    "output_tok_s": round(n / dt, 1),
+                })  # fmt: skip
+    return rows
 
 
 def kernel_table(torch, fn, top: int = 12) -> list[tuple[str, float, int]]:

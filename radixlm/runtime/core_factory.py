@@ -49,7 +49,8 @@ class EngineParts:
             torch.set_num_threads(cfg.num_threads)
         # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
         self.num_threads = torch.get_num_threads()
-        self.model_dir = resolve_model_path(cfg.model)
+        dummy = cfg.load_format == "dummy"
+        self.model_dir = resolve_model_path(cfg.model, need_weights=not dummy)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_info = load_model_info(self.model_dir)
         check_architecture(self.model_info.architecture)  # before any weight is read
@@ -148,7 +149,9 @@ class EngineParts:
             return None, None
         from radixlm.runtime.spec.draft_model import check_same_tokenizer
 
-        draft_dir = resolve_model_path(cfg.speculative_draft_model)
+        draft_dir = resolve_model_path(
+            cfg.speculative_draft_model, need_weights=cfg.load_format != "dummy"
+        )
         info = load_model_info(draft_dir)
         check_same_tokenizer(
             self.tokenizer,

