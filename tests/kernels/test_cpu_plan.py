@@ -20,7 +20,7 @@ def batches(draw):
     shared_pages = [100 + 10 * g + i for g in range(3) for i in range(10)]
     next_page = 1000
     for _ in range(n):
-        e = draw(st.sampled_from([1, 1, 1, 3, 9, 32, 100]))
+        e = draw(st.sampled_from([1, 1, 1, 2, 3, 5, 9, 32, 100]))
         prefix = draw(st.integers(0, 48))
         seq = prefix + e
         pages = []
@@ -41,6 +41,7 @@ def batches(draw):
         min_tokens_per_split=draw(st.sampled_from([4, 8, 256])),
         min_shared_tokens=draw(st.sampled_from([0, 4, 8])),
         extend_block=draw(st.sampled_from([2, 64])),
+        small_extend_rows=draw(st.sampled_from([0, 8])),
     )
     return shapes, table, cfg
 
@@ -63,7 +64,9 @@ def test_every_row_covered_once(case):
             assert len(members) == -nq >= 2
             for r, row in enumerate(members):
                 i = req_of_row[row]
-                assert ext[i] == 1 and hi <= seq[i] - 1
+                # decode rows of several requests, or a small extend's own rows
+                assert ext[i] == 1 or (i == req and ext[i] <= cfg.small_extend_rows)
+                assert hi <= seq[i] - ext[i] + 1
                 # the keys read through req's pages are this member's keys
                 assert table[req, : -(-hi // PS)].tolist() == table[i, : -(-hi // PS)].tolist()
                 assert part + r * stride not in parts
@@ -114,3 +117,22 @@ def test_a_short_extend_over_a_long_prefix_uses_every_thread():
     assert _extend_items([512], [512], threads=2) == [64] * 8
     assert _extend_items([32, 1, 1, 1, 1], [2080, 300, 300, 300, 300], threads=2).count(32) == 1
     assert _extend_items([5], [2053], threads=2) == [5]  # not below 8 rows an item
+
+
+def test_a_small_extend_alone_is_read_once_by_all_its_rows_and_split():
+    """A verification of 4 drafts (5 rows) over 2048 keys, alone in its step: shared-prefix
+    items of its own 5 rows over keys [0, 2049) cut for the threads, and one item per later row
+    over its new keys; with enough other tasks, one extend item (the tiles) instead."""
+    width = -(-2053 // PS)
+    table = torch.arange(width, dtype=torch.int32)[None]
+    cfg = PlanConfig(threads=2, min_shared_tokens=0, small_extend_rows=8)
+    plan = plan_work([5], [2053], table, PS, cfg)
+    items = plan.items.tolist()
+    shared = sorted((lo, hi) for _, _, nq, _, lo, hi, _ in items if nq == -5)
+    assert len(shared) == 4 and shared[0][0] == 0 and shared[-1][1] == 2049
+    own = sorted((row0, lo, hi) for _, row0, nq, _, lo, hi, _ in items if nq == 1)
+    assert own == [(1, 2049, 2050), (2, 2049, 2051), (3, 2049, 2052), (4, 2049, 2053)]
+    assert sorted(r for r, _, _ in plan.reduces.tolist()) == [0, 1, 2, 3, 4]
+    table8 = torch.arange(8 * width, dtype=torch.int32).reshape(8, width)
+    busy = plan_work([5] * 8, [2053] * 8, table8, PS, cfg)
+    assert sorted(nq for _, _, nq, *_ in busy.items.tolist()) == [5] * 8

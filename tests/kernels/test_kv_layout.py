@@ -155,6 +155,34 @@ def test_shared_prefix_items_on_pairs16(paged_case):
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize(
+    "shapes,shared",
+    [([(2047, 5)], True), ([(300, 2)], False), ([(0, 3), (999, 8)], True), ([(15, 2)], False)],
+    ids=str,
+)
+def test_small_extends_as_shared_items_of_their_own_rows(paged_case, shapes, shared):
+    """A speculative verification (2-8 rows) alone in its step over keys long enough to cut:
+    shared-prefix items of its own rows (cut for the threads) plus each later row's new keys,
+    merged; equal to dense SDPA and to the tiles (`small_extend_rows = 0`). Over fewer keys
+    (one piece): the tiles."""
+    case = paged_case(shapes, 9, 3, 64, 16, torch.bfloat16, seed=len(shapes), device="cpu")
+    torch.set_num_threads(2)
+    try:
+        check_layouts(case, small_extend_rows=8)
+        small, _ = run_cpu(case, "pairs16", small_extend_rows=8)
+        tiles, _ = run_cpu(case, "pairs16", small_extend_rows=0)
+        tol = case.tol()
+        torch.testing.assert_close(small.float(), tiles.float(), atol=tol, rtol=tol)
+        cache = case.cache.as_layout("pairs16")
+        backend = create_attention_backend("cpu", cache)
+        backend.init_forward(case.batch)
+        assert backend.small_extend_rows == 8  # the default on pairs16
+        assert bool((backend.plan.items[:, 2] < 0).any()) == shared
+    finally:
+        torch.set_num_threads(1)
+
+
+@needs_bf16_dot
 def test_stale_nan_slots_are_never_read(paged_case):
     """Slots past a request's length in its last block (and every unused slot) hold NaN: the
     output stays finite and correct (P is 0 there, and 0 * NaN would not be)."""

@@ -143,7 +143,8 @@ def test_graphs_off_where_the_forward_plans_on_the_host(tiny_llama_dir):
 def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatch):
     """float32: the engine's greedy tokens are the same with decode graphs as without, for
     batches that fill buckets partly (3, 5, 11 requests: padding rows), and with n-gram
-    speculative decoding on (its verify steps run eagerly, plain decode steps replay). On CPU
+    speculative decoding on (its verify steps run eagerly, plain decode steps replay), and with
+    a draft model (the model drafting for itself: its own runner's graphs). On CPU
     the runner's capture is `eager_capture` (the engine's path through the graphs, replays
     re-run)."""
     if DEVICE == "cpu":
@@ -164,6 +165,10 @@ def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatc
         "eager": dict(disable_cuda_graph=True),
         "graphs": {},
         "graphs-spec-ngram": dict(speculative_algorithm="ngram"),
+        # the draft model's own runner replays its own graphs (scratch page past its pool)
+        "graphs-spec-draft": dict(
+            speculative_algorithm="draft", speculative_draft_model=str(tiny_qwen2_dir)
+        ),
     }.items():
         with Engine(
             str(tiny_qwen2_dir), dtype="float32", device=DEVICE, attention_backend="triton",
@@ -177,8 +182,12 @@ def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatc
                 toks += [r.output_token_ids for r in engine.generate(batch, params)]
             assert engine.wait_idle(timeout=60)
             engine.check_integrity()
-            if graphs is not None:
+            if graphs is not None and name != "graphs-spec-draft":
                 assert graphs.replays > 0
+            if name == "graphs-spec-draft":  # NOTE: the target verifies drafts every step
+                draft = engine.parts.executor.proposer.runner.decode_graphs
+                assert draft is not None and draft.replays > 0
+                assert engine.stats().spec_accepted_tokens > 0  # it drafts for itself
             out[name] = toks
-    assert out["graphs"] == out["eager"]
-    assert out["graphs-spec-ngram"] == out["eager"]
+    for name in out:
+        assert out[name] == out["eager"], name

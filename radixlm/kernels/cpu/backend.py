@@ -25,6 +25,8 @@ from radixlm.kernels.reference import TorchAttentionBackend
 from radixlm.kernels.registry import register_attention_backend
 
 logger = logging.getLogger(__name__)
+# Extends of up to this many rows plan as shared-prefix items of their own rows on pairs16.
+SMALL_EXTEND_ROWS = 8
 
 _op = load_op()
 if _op is None:
@@ -76,6 +78,9 @@ class CpuAttentionBackend:
         # Decode rows sharing at least this many leading keys on the same pages attend to
         # them in one shared-prefix item (0: off).
         self.min_shared_tokens = 128
+        # Extends of 2 .. this many rows as shared-prefix items of their own rows (`PlanConfig`):
+        # on the pairs16 layout, where those take the one-read-per-block decode path.
+        self.small_extend_rows = SMALL_EXTEND_ROWS if kv_cache.layout == "pairs16" else 0
         self._batch: ForwardBatch | None = None
 
     def init_forward(self, batch: ForwardBatch) -> None:
@@ -110,6 +115,7 @@ class CpuAttentionBackend:
                     force_num_kv_splits=self.force_num_kv_splits,
                     min_shared_tokens=self.min_shared_tokens,
                     window=window,
+                    small_extend_rows=self.small_extend_rows,
                 ),
             )
         return plan

@@ -42,6 +42,10 @@ class PlanConfig:
     # Sliding window W > 0: a query at position p sees keys > p - W only (an item's keys start
     # at its first query's window; the op masks later rows per row). No shared-prefix items.
     window: int = 0
+    # An extend of 2 .. this many rows (a speculative verification: the last token + drafts)
+    # runs as a shared-prefix item of its own rows over the keys every row sees, plus one short
+    # item per later row over its keys among the new ones (0: off; no sliding window).
+    small_extend_rows: int = 0
 
 
 @dataclass
@@ -124,6 +128,50 @@ def _extend_block(
     return max(MIN_EXTEND_BLOCK, min(cfg.extend_block, block))
 
 
+def _small_pieces(shared: int, num_small: int, cfg: PlanConfig) -> int:
+    """Pieces of a small extend's `shared` keys: ~2 tasks per thread over all small extends."""
+    return num_kv_splits(
+        num_small, 2 * cfg.threads, shared, cfg.max_kv_splits, cfg.min_tokens_per_split
+    )
+
+
+def _small_extend(
+    req: int,
+    row0: int,
+    e: int,
+    n: int,
+    num_small: int,
+    cfg: PlanConfig,
+    num_parts: int,
+    items: list[tuple[int, ...]],
+    costs: list[int],
+    item_rows: list[int],
+    reduces: list[tuple[int, int, int]],
+) -> int:
+    """Plan an extend of `e` (2 .. `cfg.small_extend_rows`) rows at positions `p .. p + e - 1`
+    (`p = n - e`): every row sees keys `[0, p]`, read once for all rows by shared-prefix items
+    of the request's own rows (the tiles of an extend item cost ~2x a decode row at 2 rows,
+    measured), cut into ~2 per thread; row `i >= 1` also sees keys `p + 1 .. p + i` (its own
+    item). Returns the new partial count."""
+    p = n - e
+    shared = p + 1
+    n_shared = _small_pieces(shared, num_small, cfg)
+    stride = n_shared + 1
+    base = num_parts
+    offset = len(item_rows)
+    item_rows.append(stride)
+    item_rows.extend(range(row0, row0 + e))
+    for c, (lo, hi) in enumerate(_bounds(0, shared, n_shared)):
+        items.append((req, offset, -e, hi - 1, lo, hi, base + c))
+        costs.append(e * (hi - lo))
+    reduces.append((row0, base, n_shared))  # row 0 sees no new key after its own
+    for i in range(1, e):
+        reduces.append((row0 + i, base + i * stride, stride))
+        items.append((req, row0 + i, 1, p + i, p + 1, p + i + 1, base + i * stride + n_shared))
+        costs.append(i)
+    return base + e * stride
+
+
 def plan_work(
     extend_lens: list[int],
     seq_lens: list[int],
@@ -189,6 +237,25 @@ def plan_work(
         grouped.update(reqs)
         num_shared += n_shared
 
+    small = [
+        r for r, e in enumerate(extend_lens) if 1 < e <= cfg.small_extend_rows and not cfg.window
+    ]
+    # Only where the step has too few tasks for its threads otherwise: with enough of them an
+    # extend item's tiles cost the same or less (8 x (300 + 2..8) rows, measured).
+    tasks = len(items) + sum(-(-e // cfg.extend_block) for r, e in enumerate(extend_lens)
+                             if r not in grouped)  # fmt: skip
+    if tasks >= 2 * cfg.threads:
+        small = []
+    # ... and whose keys are long enough to cut (one piece on one thread: the tiles are as fast).
+    small = [
+        r for r in small if _small_pieces(seq_lens[r] - extend_lens[r] + 1, len(small), cfg) > 1
+    ]
+    for r in small:
+        num_parts = _small_extend(
+            r, rows_of[r], extend_lens[r], seq_lens[r], len(small), cfg, num_parts, items, costs,
+            item_rows, reduces,
+        )  # fmt: skip
+    grouped.update(small)
     block = _extend_block(extend_lens, len(items), grouped, cfg)
     for r, (e, n) in enumerate(zip(extend_lens, seq_lens)):
         if r in grouped:
