@@ -14,6 +14,7 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
 - `extract`: JSON extraction from a short document into a schema (constrained decoding): the
   values are copied from the document;
 - `edit`: a code edit: "return this function with one change": nearly all of it is copied;
+- `edit-long`: the same over a ~2.3k-token module (not in the default list: its prefill is long);
 - `quote`: answers that quote their source (copy a passage, fix one field of a JSON record);
 - `free`: open questions whose answers quote nothing: drafts are rare, this shows the cost;
 - `repeat`: the `free` prompts, each timed run after an untimed identical one (an agent loop or
@@ -112,6 +113,18 @@ EDIT = [
     f"Return this function with the rounding changed to 3 digits. Output only the "
     f"code.\n\n{FUNCTION}",
 ]
+# ~2.3k tokens of code: an edit of a long file (a verification's keys are long enough to cut)
+MODULE = "\n\n".join(
+    f'def rate_{i}(amount, days):\n    """Fee {i} for an amount held `days` days."""\n'
+    f"    if days <= {i % 7 + 1}:\n        return 0.0\n"
+    f"    return round(amount * {(i * 37) % 90 + 10} / 10000 * days, 2)"
+    for i in range(36)
+)
+EDIT_LONG = [
+    f"Return this module with the function `rate_{i}` renamed to `fee_{i}`. Output only the "
+    f"code.\n\n{MODULE}"
+    for i in (3, 11, 19, 27)
+]
 DOCS = [
     "Grace Hopper was born in 1906 in New York City. She worked as a computer scientist and "
     "naval officer; write to her at grace.hopper@navy.example.",
@@ -150,7 +163,13 @@ AGENT_TASKS = [
     "Check whether src/server.py defines a function called handle_request and test it.",
     "Locate the class Cache in src/cache.py, read it, and run its tests.",
 ]
-PROMPT_WORKLOADS = {"extract": EXTRACT, "edit": EDIT, "quote": QUOTE, "free": FREE}
+PROMPT_WORKLOADS = {
+    "extract": EXTRACT,
+    "edit": EDIT,
+    "edit-long": EDIT_LONG,
+    "quote": QUOTE,
+    "free": FREE,
+}
 VLLM_WORKLOADS = ("edit", "quote", "free")
 ENGINE_MODES = ("plain", "ngram", "draft")
 
