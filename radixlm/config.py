@@ -140,6 +140,14 @@ class SchedulerConfig:
             raise ConfigError("need 1 <= speculative_ngram_min <= speculative_ngram_max")
 
 
+def check_load_format(load_format: str, quantization: str) -> None:
+    """The one check of `load_format` (the engine's config and a model runner built directly)."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    if load_format == "dummy" and quantization == "gguf":
+        raise ConfigError("load_format 'dummy' cannot be combined with quantization 'gguf'")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything `Engine(**kwargs)` accepts besides the model."""
@@ -198,12 +206,7 @@ class EngineConfig:
             raise ConfigError(
                 f"quantization must be one of {QUANTIZATION_MODES}, got {self.quantization!r}"
             )
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(
-                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
-            )
-        if self.load_format == "dummy" and self.quantization == "gguf":
-            raise ConfigError("load_format 'dummy' cannot be combined with quantization 'gguf'")
+        check_load_format(self.load_format, self.quantization)
         if self.load_format == "dummy" and self.tp_size > 1:
             raise ConfigError("load_format 'dummy' does not support tp_size > 1 yet")
         if self.cuda_graph_max_bs < 0:

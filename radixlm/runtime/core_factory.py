@@ -49,8 +49,7 @@ class EngineParts:
             torch.set_num_threads(cfg.num_threads)
         # NOTE: intra-op thread settings are per OS thread: the loop thread copies ours.
         self.num_threads = torch.get_num_threads()
-        dummy = cfg.load_format == "dummy"
-        self.model_dir = resolve_model_path(cfg.model, need_weights=not dummy)
+        self.model_dir = resolve_model_path(cfg.model, need_weights=cfg.load_format != "dummy")
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model_info = load_model_info(self.model_dir)
         check_architecture(self.model_info.architecture)  # before any weight is read

@@ -109,10 +109,10 @@ class KVPageIO:
         for p in payloads:
             if len(p) != pb:
                 raise ValueError(f"page payload of {len(p)} bytes, expected {pb}")
-        host = self._stage(len(pages))
         if self.device.type == "cuda":
             data = self._upload(payloads)
         else:
+            host = self._stage(len(pages))
             arr = host.view(torch.uint8).reshape(-1).numpy()
             for i, p in enumerate(payloads):
                 arr[i * pb : (i + 1) * pb] = np.frombuffer(p, np.uint8)
@@ -129,7 +129,7 @@ class KVPageIO:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         n, pb = len(payloads), self.page_bytes
-        flat = self._staging[: n * pb].view(n, pb)
+        flat = self._stage(n).view(-1).view(torch.uint8).view(n, pb)
         dev = torch.empty((n, pb), dtype=torch.uint8, device=self.device)
         step = max(1, UPLOAD_CHUNK_BYTES // pb)
         with warnings.catch_warnings():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.config import LOAD_FORMATS, CacheConfig
+from radixlm.config import CacheConfig, check_load_format
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
 from radixlm.kernels.hybrid import HybridAttention, HybridKVCache
 from radixlm.kernels.registry import (
@@ -130,10 +130,7 @@ class ModelRunner:
         )
         self.tp = tp
         self.quantization = quantization
-        if load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-        if load_format == "dummy" and quantization == "gguf":
-            raise ValueError("load_format 'dummy' has no GGUF blocks to load (quantization gguf)")
+        check_load_format(load_format, quantization)
         weights = None if load_format == "dummy" else self._checkpoint(model_dir, hf_config)
         model_config = hf_config
         if tp is not None and tp.world_size > 1:

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from radixlm import Engine, SamplingParams
 from radixlm.radix import HiCache
@@ -249,3 +250,35 @@ def test_tensor_parallel_warm_restart_and_a_missing_shard(
         out, cached = _run(eng, prompt)
         assert _same(out, reference[0]) and cached == 0
         _assert_no_leak(eng)
+
+
+def test_the_gpu_upload_path_stages_payloads_in_chunks(monkeypatch):
+    """`KVPageIO._upload` (a GPU pool's load: pinned staging filled chunk by chunk, each chunk
+    uploaded while the next fills, the staging reused after the last upload's event) gives the
+    payloads' values, over several chunks and a second, shorter load; run here on CPU tensors
+    with the CUDA event stubbed."""
+    from radixlm.kernels.forward_batch import KVCache
+    from radixlm.runtime import hicache_io
+
+    kv = KVCache.allocate(3, 40, 16, 2, 64, torch.bfloat16, "cpu")
+    for b in (*kv.k_buffers, *kv.v_buffers):
+        b.copy_(torch.randn(b.shape))
+    io = hicache_io.KVPageIO(kv)
+    payloads = [bytes(p) for p in io.read_pages(list(range(10)))]
+    monkeypatch.setattr(hicache_io, "UPLOAD_CHUNK_BYTES", 3 * io.page_bytes)
+    waits = []
+
+    class Event:
+        def record(self) -> None:
+            waits.append("record")
+
+        def synchronize(self) -> None:
+            waits.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    want = torch.stack([
+        torch.frombuffer(bytearray(p), dtype=torch.bfloat16).view(io.page_shape) for p in payloads
+    ])  # fmt: skip
+    assert torch.equal(io._upload(payloads), want)
+    assert torch.equal(io._upload(payloads[:4]), want[:4])
+    assert waits == ["record", "sync", "record"]  # the second load waited for the first
