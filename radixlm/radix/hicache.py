@@ -32,6 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -90,9 +91,15 @@ class TierFollowers(Protocol):
         """Store each rank's shard of ``pages`` under ``keys`` (the pages are still intact)."""
         ...
 
+    def fetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading each rank's shard of ``keys`` in the background (a ``load`` of them
+        follows, or never: a rank keeps a bounded number of unclaimed reads)."""
+        ...
+
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
-        """Write each rank's shard stored under ``keys`` into ``pages``; returns how many
-        leading pages every rank wrote (a page past it is not whole on every rank)."""
+        """Write each rank's shard stored under ``keys`` into ``pages`` (from its background
+        read where one holds them); returns how many leading pages every rank wrote (a page
+        past it is not whole on every rank)."""
         ...
 
     def drop(self, keys: Sequence[bytes]) -> None: ...
@@ -106,12 +113,22 @@ class TierFollowers(Protocol):
 
 class TierShard:
     """One rank's shard of the tier: its own store and page codec, no policy of its own (it
-    does what rank 0 decided). Implements ``TierFollowers`` for itself."""
+    does what rank 0 decided). Implements ``TierFollowers`` for itself: ``fetch`` reads on the
+    shard's reader thread (started on the first), and the ``load`` of those keys claims that
+    read; at most ``MAX_UNCLAIMED_READS`` reads wait to be claimed (a request aborted while its
+    pages were read never claims them), past it the oldest is forgotten."""
+
+    MAX_UNCLAIMED_READS = 8
 
     def __init__(self, store: TierStore, io: PageIO) -> None:
         self.tier_store = store
         self.io = io
         self._io_failed_logged = False
+        self._buffers = _Buffers(keep=2)
+        self._reader: ThreadPoolExecutor | None = None
+        # unclaimed background reads, oldest first: (the keys read, their future)
+        self._reads: deque[tuple[frozenset[bytes], Future[Fetched]]] = deque()
+        self.prefetched_pages = 0  # pages a ``load`` took from a background read
 
     def store(self, keys: Sequence[bytes], pages: Sequence[int]) -> list[bytes]:
         """Store this rank's shard of ``pages``; returns the keys stored (none when reading
@@ -126,15 +143,78 @@ class TierShard:
         puts = [(k, self.tier_store.put(k, p)) for k, p in zip(keys, payloads, strict=True)]
         return [k for k, ok in puts if ok]
 
-    def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
-        payloads: list[bytes] = []
-        for key in keys:
-            payload = self.tier_store.get(key)
+    def read(self, keys: Sequence[bytes]) -> Fetched:
+        """Read and verify the payloads of ``keys`` (stops at the first missing or corrupt one)
+        into one reused buffer (with a codec that has ``page_bytes``: page files straight into
+        it). Touches only the store, which is thread-safe: a background thread calls this while
+        the forward runs; the ``load`` that consumes the result hands the buffer back."""
+        out = Fetched()
+        page_bytes = getattr(self.io, "page_bytes", 0)
+        buf = None
+        if page_bytes and keys:
+            out.buffer = self._buffers.take(len(keys) * page_bytes)
+            buf = memoryview(out.buffer)
+        for j, key in enumerate(keys):
+            into = buf[j * page_bytes : (j + 1) * page_bytes] if buf is not None else None
+            payload = self.tier_store.get(key, into)
             if payload is None:
                 break
-            payloads.append(payload)
-        self.io.write_pages(pages[: len(payloads)], payloads)
-        return len(payloads)
+            out[key] = payload
+        return out
+
+    def release(self, fetched: Fetched | None) -> None:
+        """Done with ``fetched``'s payloads: empty it and take its buffer back for reuse."""
+        if fetched is not None and fetched.buffer is not None:
+            fetched.clear()
+            buffer, fetched.buffer = fetched.buffer, None
+            self._buffers.give(buffer)
+
+    def fetch(self, keys: Sequence[bytes]) -> None:
+        """Start reading ``keys`` on the reader thread, for a later ``load`` to claim."""
+        if not keys:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="hicache-shard")
+        self._reads.append((frozenset(keys), self._reader.submit(self.read, list(keys))))
+        while len(self._reads) > self.MAX_UNCLAIMED_READS:
+            self._reads.popleft()
+
+    def _claim(self, first: bytes) -> Fetched | None:
+        """The newest unclaimed read that holds ``first`` (waited for), removed; or None."""
+        for i in range(len(self._reads) - 1, -1, -1):
+            keys, fut = self._reads[i]
+            if first in keys:
+                del self._reads[i]
+                try:
+                    return fut.result()
+                except Exception:  # noqa: BLE001 - the load reads the pages itself
+                    logger.exception("hicache: a background read of tier pages failed")
+                    return None
+        return None
+
+    def load(
+        self, keys: Sequence[bytes], pages: Sequence[int], prefetched: Fetched | None = None
+    ) -> int:
+        """Write the payloads of ``keys`` into ``pages``, from ``prefetched`` (else from the
+        background read of ``fetch`` that holds the first key, waited for) and the rest read
+        now; consumes the read. Returns how many leading pages were written."""
+        if prefetched is None and keys:
+            prefetched = self._claim(keys[0])
+        try:
+            payloads: list[bytes] = []
+            for key in keys:
+                payload = prefetched.pop(key, None) if prefetched else None
+                if payload is not None:
+                    self.prefetched_pages += 1
+                else:
+                    payload = self.tier_store.get(key)
+                if payload is None:
+                    break
+                payloads.append(payload)
+            self.io.write_pages(pages[: len(payloads)], payloads)
+            return len(payloads)
+        finally:
+            self.release(prefetched)
 
     def drop(self, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -145,9 +225,14 @@ class TierShard:
         self.drop([k for k in self.tier_store.keys() if k not in keep])
 
     def clear(self) -> None:
+        self._reads.clear()
         self.tier_store.clear()
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+            self._reader = None
+        self._reads.clear()
         self.tier_store.close()
 
 
@@ -190,7 +275,6 @@ class HiCache:
         self._prefetched_pages = 0
         self._load_seconds = 0.0  # written by the loop thread (``load``)
         self._fetch_seconds = 0.0  # written by the fetching thread (``fetch``)
-        self._buffers = _Buffers(keep=2)
         self._stored_pages = 0
         self.shard = TierShard(store, io)  # this rank's (rank 0's) shard
         self.followers = followers
@@ -274,33 +358,36 @@ class HiCache:
             n += ps
         return n
 
-    def fetch(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> Fetched:
-        """Read and verify the tier's consecutive pages of ``tokens`` after ``start`` tokens
-        (at most a pool's worth), by key. Touches only the store, which is thread-safe: a
-        background thread calls this while the forward runs, and ``load`` takes the result."""
-        ps, out = self.page_size, Fetched()
-        t0 = time.perf_counter()
+    def fetch_keys(
+        self, tokens: Sequence[int], namespace: Hashable | None, start: int
+    ) -> list[bytes]:
+        """The keys of the tier's consecutive pages of ``tokens`` after ``start`` tokens (at
+        most a pool's worth): index look-ups only. The followers start reading their shards of
+        them now, so call it on the thread that steps the engine (it sends a step op)."""
         keys = []
-        for i, key in enumerate(page_keys(tokens, ps, namespace)):
-            if i * ps < start:
+        for i, key in enumerate(page_keys(tokens, self.page_size, namespace)):
+            if i * self.page_size < start:
                 continue
             if len(keys) >= self.pool.num_pages or not self.store.contains(key):
                 break
             keys.append(key)
-        # the payloads are read into one reused buffer (page files straight into it)
-        page_bytes = getattr(self.io, "page_bytes", 0)
-        buf = None
-        if page_bytes and keys:
-            out.buffer = self._buffers.take(len(keys) * page_bytes)
-            buf = memoryview(out.buffer)
-        for j, key in enumerate(keys):
-            into = buf[j * page_bytes : (j + 1) * page_bytes] if buf is not None else None
-            payload = self.store.get(key, into)
-            if payload is None:
-                break
-            out[key] = payload
-        self._fetch_seconds += time.perf_counter() - t0
-        return out
+        if self.followers is not None and keys:
+            self._drop_forgotten()
+            self.followers.fetch(keys)
+        return keys
+
+    def read(self, keys: Sequence[bytes]) -> Fetched:
+        """Read and verify this rank's payloads of ``keys`` (``fetch_keys``): thread-safe, for
+        a background thread while the forward runs; ``load`` takes the result."""
+        t0 = time.perf_counter()
+        try:
+            return self.shard.read(keys)
+        finally:
+            self._fetch_seconds += time.perf_counter() - t0
+
+    def fetch(self, tokens: Sequence[int], namespace: Hashable | None, start: int) -> Fetched:
+        """``read(fetch_keys(...))`` on one thread."""
+        return self.read(self.fetch_keys(tokens, namespace, start))
 
     def load(
         self,
@@ -319,10 +406,7 @@ class HiCache:
         try:
             return self._load(tokens, namespace, start, reserve, prefetched)
         finally:
-            if prefetched is not None and prefetched.buffer is not None:
-                prefetched.clear()
-                buffer, prefetched.buffer = prefetched.buffer, None
-                self._buffers.give(buffer)
+            self.shard.release(prefetched)
 
     def _load(
         self,

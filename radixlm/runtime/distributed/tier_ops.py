@@ -10,12 +10,19 @@ that reads it:
     header  int64[8]  (op, n, 0, ..., payload length)
     payload int64[m]  OP_TIER_OPEN: the ``TierSpec`` as JSON bytes (n of them)
                       OP_TIER_STORE / OP_TIER_LOAD: n page ids, then n 16-byte keys
-                      OP_TIER_DROP / OP_TIER_RETAIN: n keys;  OP_TIER_CLEAR: none
+                      OP_TIER_FETCH / OP_TIER_DROP / OP_TIER_RETAIN: n keys
+                      OP_TIER_CLEAR: none
 
 ``OP_TIER_LOAD`` is the one op with a reply: every rank contributes how many leading pages it
 wrote (a missing or corrupt shard stops it) to an all-reduce MIN over the control group, so
 rank 0 serves only the pages whole on every rank. A worker whose tier op fails logs it and
 carries on (a failed load reports 0 pages): the tier never breaks the group.
+
+Reads overlap the forward on every rank: ``OP_TIER_FETCH`` (sent when rank 0 starts its own
+background read of a waiting request's pages) makes each worker read and verify its shards of
+those keys on its shard's reader thread while the following forwards run; the ``OP_TIER_LOAD``
+that adopts them takes that read's payloads (waiting for it if it is still running) and reads
+only the keys it lacks (``TierShard.fetch`` / ``load``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ OP_TIER_LOAD = 12
 OP_TIER_DROP = 13
 OP_TIER_RETAIN = 14
 OP_TIER_CLEAR = 15
-TIER_OPS = frozenset(range(OP_TIER_OPEN, OP_TIER_CLEAR + 1))
+OP_TIER_FETCH = 16
+TIER_OPS = frozenset(range(OP_TIER_OPEN, OP_TIER_FETCH + 1))
 
 
 def pack_bytes(data: bytes) -> torch.Tensor:
@@ -88,6 +96,10 @@ class BroadcastTierFollowers:
         if keys:
             self.runner.send_op(OP_TIER_STORE, len(keys), pack_pages_keys(pages, keys))
 
+    def fetch(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self.runner.send_op(OP_TIER_FETCH, len(keys), pack_bytes(b"".join(keys)))
+
     def load(self, keys: Sequence[bytes], pages: Sequence[int]) -> int:
         if not keys:
             return 0
@@ -119,7 +131,7 @@ class WorkerTier:
             loaded = 0
             try:
                 pages, keys = unpack_pages_keys(payload, n)
-                loaded = self._shard().load(keys, pages)
+                loaded = self._shard().load(keys, pages)  # claims the op's background read
             except Exception:  # noqa: BLE001 - the page is recomputed, the group goes on
                 logger.exception("hicache: rank %d failed to load tier pages", self.rank)
             reply = torch.tensor([loaded], dtype=torch.int64)
@@ -129,6 +141,8 @@ class WorkerTier:
             if op == OP_TIER_OPEN:
                 spec = TierSpec.from_json(unpack_bytes(payload, n))
                 self.shard = open_tier_shard(spec, kv, self.model_dir, self.rank)
+            elif op == OP_TIER_FETCH:
+                self._shard().fetch(unpack_keys(payload, n))
             elif op == OP_TIER_STORE:
                 pages, keys = unpack_pages_keys(payload, n)
                 self._shard().store(keys, pages)

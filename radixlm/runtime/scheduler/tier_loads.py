@@ -3,14 +3,16 @@ waits in the queue (not in the forward, and without stalling the loop) while its
 and verified.
 
 Admission asks `ready(req, tokens, start)` before adopting a request's prefix: when the tier
-holds the page after the pool's match, one thread reads the consecutive tier pages (`HiCache.fetch`)
-while the loop goes on stepping, and the request is skipped until that read is done (the loop
-is woken by `on_done`); `take(req)` then hands the payloads to `HiCache.load`, which writes them
-into fresh pool pages on the loop thread. Payloads read too early are still right (a page is
-named by its whole prefix); pages the read missed are read synchronously by `load`.
+holds the page after the pool's match, one thread reads the consecutive tier pages
+(`HiCache.read` of the keys `HiCache.fetch_keys` found; with tensor parallel the other ranks
+start reading their shards of them on their own threads at the same time) while the loop goes
+on stepping, and the request is skipped until that read is done (the loop is woken by
+`on_done`); `take(req)` then hands the payloads to `HiCache.load`, which writes them into fresh
+pool pages on the loop thread. Payloads read too early are still right (a page is named by its
+whole prefix); pages the read missed are read synchronously by `load`.
 
 NOTE: one owner: the scheduler's `PageManager`; the futures are touched by the loop thread only
-(the worker thread only runs `HiCache.fetch`, which touches only the thread-safe store).
+(the worker thread only runs `HiCache.read`, which touches only the thread-safe store).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class TierLoads:
             return not self._in_flight()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="hicache-load")
-        fut = self._pool.submit(self.hicache.fetch, list(tokens), namespace, start)
+        # the keys here (the tensor-parallel followers start their reads now), the reads there
+        keys = self.hicache.fetch_keys(tokens, namespace, start)
+        fut = self._pool.submit(self.hicache.read, keys)
         if self.on_done is not None:
             wake = self.on_done
             fut.add_done_callback(lambda _: wake())

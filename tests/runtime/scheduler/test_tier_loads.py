@@ -34,13 +34,13 @@ def setup(n_prompts: int) -> tuple[TierLoads, list[Request], threading.Event, li
             hicache.store.put(key, b"page")
         reqs.append(Request(f"r{i}", tokens, SamplingParams(max_new_tokens=1)))
     gate = threading.Event()
-    real = hicache.fetch
+    real = hicache.read
 
     def gated(*args: object) -> dict[bytes, bytes]:
         gate.wait(10)
         return real(*args)  # type: ignore[arg-type]
 
-    hicache.fetch = gated  # type: ignore[method-assign]
+    hicache.read = gated  # type: ignore[method-assign]
     loads = TierLoads(hicache)
     woken: list[int] = []
     loads.on_done = lambda: woken.append(1)
