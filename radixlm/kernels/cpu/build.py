@@ -33,6 +33,7 @@ SOURCES = (
     "linear_bf16.cpp",
     "int4_gemm.cpp",
     "int8_gemm.cpp",
+    "sampling_ops.cpp",
 )
 HEADERS = ("simd.h", "vec.h")  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
@@ -121,7 +122,8 @@ def load_op(verbose: bool = False) -> Any:
     `add_rms_norm`, `rope_`, `silu_and_mul`, `store_kv` (`fused_ops.cpp`, launchers in
     `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`); `decoder_stack`
     (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`);
-    `int4_g32_mm` (`int4_gemm.cpp`); `pack_bf16_linear`, `linear_bf16` (`linear_bf16.cpp`)."""
+    `int4_g32_mm` (`int4_gemm.cpp`); `pack_bf16_linear`, `linear_bf16` (`linear_bf16.cpp`);
+    `apply_token_bitmask_` (`sampling_ops.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:
