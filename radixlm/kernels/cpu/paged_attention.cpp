@@ -130,13 +130,14 @@ constexpr int64_t KV_FLAT = 0, KV_PAIRS16 = 1;
 // Per-thread scratch, sized for the largest task of a call (all fp32). Rows are ordered
 // (kv head, query, head in group); kf / kt / vf hold one key block per KV head.
 struct Scratch {
-  std::vector<float> qf, acc, m, l, alpha, s, kf, kt, vf;
+  std::vector<float> qf, acc, m, l, lv, alpha, s, kf, kt, vf;
   std::vector<int64_t> bases;  // KV_PAIRS16: element offset of each key block of a task
   void reserve(int64_t rows, int64_t hkv, int64_t d) {
     qf.assign(rows * d, 0.f);
     acc.assign(rows * d, 0.f);
     m.assign(rows, 0.f);
     l.assign(rows, 0.f);
+    lv.assign(16 * rows, 0.f);
     alpha.assign(rows, 0.f);
     s.assign(rows * BLOCK_K, 0.f);
     kf.assign(hkv * BLOCK_K * d, 0.f);
@@ -441,6 +442,22 @@ inline __m512 exp2_16(__m512 x) {
   __m512 p = _mm512_set1_ps(1.f / 5040.f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_scalef_ps(p, n));
+}
+
+// exp2_16 with a degree-5 polynomial (relative error < 3e-6): for the extend tiles' P, which is
+// rounded to bf16 (2^-9) before P @ V.
+inline __m512 exp2_16_p5(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-127.f);
+  const __m512 xc = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 120.f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
@@ -803,30 +820,34 @@ inline void scores_tile_bf16(const uint32_t* qp, int64_t q_stride, const uint32_
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * BLOCK_K + 16 * c, _mm512_mul_ps(a[r][c], sc));
 }
 
+template <int RM, int NV>
+inline void pv_cols_bf16(float* acc, const float* alpha, const uint32_t* pp, const uint32_t* vt2,
+                         int64_t npairs, int64_t D, int64_t d) {
+  __m512 a[RM][NV];
+  for (int r = 0; r < RM; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < NV; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16 * c), al);
+  }
+  for (int64_t i = 0; i < npairs; ++i) {
+    __m512bh v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vt2 + i * D + d + 16 * c);
+    for (int r = 0; r < RM; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * BLOCK_K + i]));
+      for (int c = 0; c < NV; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, v[c]);
+    }
+  }
+  for (int r = 0; r < RM; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + r * D + d + 16 * c, a[r][c]);
+}
+
+// acc[r] = acc[r] * alpha[r] + P[r] @ V for RM rows: 64 columns of D per pass (RM x 4
+// accumulators: each P pair broadcast serves 4 dot products), then 32 for the rest.
 template <int RM>
 inline void pv_tile_bf16(float* acc, const float* alpha, const uint32_t* pp, const uint32_t* vt2,
                          int64_t npairs, int64_t D) {
-  for (int64_t d = 0; d < D; d += 32) {
-    __m512 a[RM][2];
-    for (int r = 0; r < RM; ++r) {
-      const __m512 al = _mm512_set1_ps(alpha[r]);
-      a[r][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), al);
-      a[r][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d + 16), al);
-    }
-    for (int64_t i = 0; i < npairs; ++i) {
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vt2 + i * D + d);
-      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vt2 + i * D + d + 16);
-      for (int r = 0; r < RM; ++r) {
-        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[r * BLOCK_K + i]));
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], pb, v0);
-        a[r][1] = _mm512_dpbf16_ps(a[r][1], pb, v1);
-      }
-    }
-    for (int r = 0; r < RM; ++r) {
-      _mm512_storeu_ps(acc + r * D + d, a[r][0]);
-      _mm512_storeu_ps(acc + r * D + d + 16, a[r][1]);
-    }
-  }
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) pv_cols_bf16<RM, 4>(acc, alpha, pp, vt2, npairs, D, d);
+  if (d < D) pv_cols_bf16<RM, 2>(acc, alpha, pp, vt2, npairs, D, d);
 }
 // In-register transpose of 16 rows of 16 x 32-bit: r[i][j] -> r[j][i].
 inline void transpose16x16_epi32(__m512i* r) {
@@ -999,6 +1020,8 @@ void attend_task(
   std::fill(acc, acc + MT * D, 0.f);
   std::fill(mrow, mrow + MT, NEG_INF);
   std::fill(lrow, lrow + MT, 0.f);
+  float* lvec = sc.lv.data();  // bf16 tiles: row sums as 16 lanes
+  if (bfdot) std::fill(lvec, lvec + 16 * MT, 0.f);
   const int32_t* pages = page_table + req * dm.pt_s0;
   const int64_t ps = dm.page_size;
   const int64_t row_bytes = H * D * static_cast<int64_t>(sizeof(T));
@@ -1124,21 +1147,26 @@ void attend_task(
             alpha[r] = 1.f;
             continue;
           }
-          const uint64_t valid =
-              (nv >= 64 ? ~uint64_t{0} : (uint64_t{1} << nv) - 1) & ~((uint64_t{1} << nlo) - 1);
           __m512 v[4];
-          for (int i = 0; i < 4; ++i)
-            v[i] = _mm512_mask_blend_ps(static_cast<__mmask16>(valid >> (16 * i)), ninf,
-                                        _mm512_loadu_ps(sr + 16 * i));
+          if (nlo == 0 && nv >= 64) {
+            for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(sr + 16 * i);
+          } else {
+            const uint64_t valid =
+                (nv >= 64 ? ~uint64_t{0} : (uint64_t{1} << nv) - 1) & ~((uint64_t{1} << nlo) - 1);
+            for (int i = 0; i < 4; ++i)
+              v[i] = _mm512_mask_blend_ps(static_cast<__mmask16>(valid >> (16 * i)), ninf,
+                                          _mm512_loadu_ps(sr + 16 * i));
+          }
           const float bm = _mm512_reduce_max_ps(
               _mm512_max_ps(_mm512_max_ps(v[0], v[1]), _mm512_max_ps(v[2], v[3])));
           const float m_new = std::max(mrow[r], bm);
           alpha[r] = mrow[r] == NEG_INF ? 0.f : exp2s(mrow[r] - m_new);
           const __m512 mb = _mm512_set1_ps(m_new);
           __m512 e[4];
-          for (int i = 0; i < 4; ++i) e[i] = exp2_16(_mm512_sub_ps(v[i], mb));
+          for (int i = 0; i < 4; ++i) e[i] = exp2_16_p5(_mm512_sub_ps(v[i], mb));
           const __m512 sum = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
-          lrow[r] = lrow[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+          float* lvr = lvec + 16 * r;  // the row sum as 16 lanes (reduced at the end)
+          _mm512_storeu_ps(lvr, _mm512_fmadd_ps(_mm512_loadu_ps(lvr), _mm512_set1_ps(alpha[r]), sum));
           mrow[r] = m_new;
           _mm512_storeu_si512(sr, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
           _mm512_storeu_si512(sr + 16, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
@@ -1193,6 +1221,10 @@ void attend_task(
       });
     }
   }
+#if defined(__AVX512BF16__)
+  if (bfdot)
+    for (int64_t r = 0; r < MT; ++r) lrow[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lvec + 16 * r));
+#endif
   for (int64_t h = 0; h < H; ++h) {
     for (int64_t i = 0; i < nq; ++i) {
       for (int64_t g = 0; g < G; ++g) {
