@@ -4,7 +4,7 @@ weights, self-speculation), and optionally vLLM's CPU build with its n-gram spec
 
     .venv/bin/python benchmarks/bench_speculative.py [--threads 2] [--tokens 128]
         [--batches 1,8] [--modes plain,ngram,draft] [--reps 3]
-        [--workloads extract,edit,quote,free,repeat,agent] [--agent-turns 4]
+        [--workloads extract,edit,quote,free,repeat,agent,agent-json] [--agent-turns 4]
         [--draft-tokens 4] [--draft-model default] [--draft-quantization int4]
         [--disable-by-batch-size N] [--vllm [--vllm-modes vllm,vllm-ngram]]
         [--step-cost [--step-cost-context 160] [--step-cost-reps 9]]
@@ -21,7 +21,10 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
   a program run again: the radix tree holds the whole earlier output);
 - `agent`: a multi-turn agent loop through the DSL (`Runtime(engine=...)`): each turn the model
   writes one JSON tool call, Python answers it, `--agent-turns` turns; the calls repeat their
-  structure and arguments.
+  structure and arguments;
+- `agent-json`: the same loop with each call constrained by a tool-call JSON schema
+  (`TOOL_CALL_SCHEMA`): jump-forward writes the keys, and the forward that computes them also
+  verifies a draft of what follows (the earlier calls' tool names and paths).
 
 The radix cache is flushed before every timed run (drafts come from the prompt, the run's own
 output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
@@ -163,6 +166,21 @@ AGENT_TASKS = [
     "Check whether src/server.py defines a function called handle_request and test it.",
     "Locate the class Cache in src/cache.py, read it, and run its tests.",
 ]
+TOOL_CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "tool": {"enum": ["read_file", "grep", "run_tests"]},
+        "args": {
+            "type": "object",
+            "properties": {"pattern": {"type": "string"}, "path": {"type": "string"}},
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["tool", "args"],
+    "additionalProperties": False,
+}
+AGENT_WORKLOADS = ("agent", "agent-json")
 PROMPT_WORKLOADS = {
     "extract": EXTRACT,
     "edit": EDIT,
@@ -187,12 +205,12 @@ def tool_result(turn: int, call: str) -> str:
 
 
 @sgl.function
-def agent_loop(s, task: str, turns: int, max_tokens: int):
+def agent_loop(s, task: str, turns: int, max_tokens: int, schema: dict[str, Any] | None = None):
     s += sgl.system(AGENT_SYSTEM)
     s += sgl.user(task)
     for i in range(turns):
         with s.assistant():
-            s += sgl.gen(f"call{i}", max_tokens=max_tokens, stop="\n")
+            s += sgl.gen(f"call{i}", max_tokens=max_tokens, stop="\n", json_schema=schema)
         s += sgl.user("Tool result: " + tool_result(i, s[f"call{i}"]))
 
 
@@ -230,9 +248,14 @@ def prompt_runner(
     return go
 
 
-def agent_runner(eng: Engine, b: int, turns: int, tokens: int) -> Callable[[], list[list[int]]]:
+def agent_runner(
+    eng: Engine, b: int, turns: int, tokens: int, schema: dict[str, Any] | None = None
+) -> Callable[[], list[list[int]]]:
     backend = Runtime(engine=eng)
-    kwargs = [{"task": t, "turns": turns, "max_tokens": tokens} for t in (AGENT_TASKS * b)[:b]]
+    kwargs = [
+        {"task": t, "turns": turns, "max_tokens": tokens, "schema": schema}
+        for t in (AGENT_TASKS * b)[:b]
+    ]
 
     def go() -> list[list[int]]:
         states = agent_loop.run_batch(kwargs, backend=backend, temperature=0, num_threads=b)
@@ -404,7 +427,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--modes", default="plain,ngram,draft")
-    p.add_argument("--workloads", default="extract,edit,quote,free,repeat,agent")
+    p.add_argument("--workloads", default="extract,edit,quote,free,repeat,agent,agent-json")
     p.add_argument("--agent-turns", type=int, default=4)
     p.add_argument("--draft-tokens", type=int, default=4)
     p.add_argument("--draft-model", default="default")
@@ -433,7 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = (
         [m for m in args.modes if m not in ENGINE_MODES]
         + [m for m in args.vllm_modes if m not in ("vllm", "vllm-ngram")]
-        + [w for w in args.workloads if w not in (*PROMPT_WORKLOADS, "repeat", "agent")]
+        + [w for w in args.workloads if w not in (*PROMPT_WORKLOADS, "repeat", *AGENT_WORKLOADS)]
     )
     if bad or "plain" not in args.modes:
         p.error(f"--modes needs plain (of {ENGINE_MODES}); unknown: {bad}")
@@ -459,8 +482,9 @@ def main(argv: list[str] | None = None) -> None:
                 res: dict[str, Any] = {"workload": name, "batch": b}
                 outs: dict[str, list[list[int]]] = {}
                 for mode, eng in engines.items():
-                    if name == "agent":
-                        go = agent_runner(eng, b, args.agent_turns, args.tokens)
+                    if name in AGENT_WORKLOADS:
+                        schema = TOOL_CALL_SCHEMA if name == "agent-json" else None
+                        go = agent_runner(eng, b, args.agent_turns, args.tokens, schema)
                     else:
                         texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
                         go = prompt_runner(eng, name, texts, b, args.tokens)

@@ -33,6 +33,7 @@ def test_arguments_are_checked() -> None:
     args = bs.parse_args(["--modes", "plain,draft", "--batches", "1,4", "--vllm"])
     assert args.modes == ["plain", "draft"] and args.batch_sizes == [1, 4]
     assert args.vllm_modes == ["vllm", "vllm-ngram"]
+    assert bs.parse_args(["--workloads", "agent-json"]).workloads == ["agent-json"]
     for bad in (["--modes", "ngram"], ["--modes", "plain,eagle"], ["--workloads", "chat"]):
         with pytest.raises(SystemExit):
             bs.parse_args(bad)
@@ -45,6 +46,9 @@ def test_the_runners_work_on_a_tiny_model(tiny_llama_dir: Path) -> None:
     ) as engine:  # fmt: skip
         agent, outs = bs.measure(engine, bs.agent_runner(engine, 2, 2, 6), reps=1, repeat=False)
         assert len(outs) == 2 and agent["tok_s"] > 0
+        go = bs.agent_runner(engine, 2, 2, 24, bs.TOOL_CALL_SCHEMA)  # `agent-json`
+        agent_json, outs = bs.measure(engine, go, reps=1, repeat=False)
+        assert len(outs) == 2 and agent_json["tok_s"] > 0
         go = bs.prompt_runner(engine, "extract", bs.EXTRACT, 2, 6)
         extract, outs = bs.measure(engine, go, reps=2, repeat=True)
         assert len(outs) == 2 and all(len(o) == 6 for o in outs)

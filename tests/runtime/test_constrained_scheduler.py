@@ -303,33 +303,6 @@ def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(ju
     assert outs[0] == outs[1]
 
 
-def test_a_draft_follows_the_text_a_grammar_forced_in_the_same_forward():
-    """After jump-forward appends forced text ("k" after each "1" / "2"), the forward that
-    computes it also verifies a draft after it (so a value's first tokens need no forward of
-    their own): the same output as plain decoding in fewer forwards than drafting only after a
-    single sampled token; some verified drafts followed two or more known tokens."""
-    pattern = r"(k(a|c)(b|d)(1|2)){6}"
-    prompt = encode("kab1kab1")
-    outs, forwards = [], []
-    for spec in (False, True):
-        mgr = manager(jump_forward=True)
-        extra = {"speculative_algorithm": "ngram", "speculative_ngram_min": 1} if spec else {}
-        s = make(mgr, **extra)
-        r = req(mgr, "jf", prompt, pattern)
-        s.add_request(r)
-        run(s)
-        assert re.fullmatch(pattern, spell(r.output_token_ids)) and r.finish_reason == "stop"
-        outs.append(r.output_token_ids)
-        forwards.append(len(s.runner.batches))
-        if spec:
-            verified = [b for b in s.runner.batches if len(b.logits_indices) > 1]
-            after_forced = [b for b in verified if b.extend_lens_cpu[0] > 3]
-            assert s.num_accepted_draft_tokens >= 10 and after_forced
-        assert_released(s)
-    assert outs[0] == outs[1]
-    assert forwards[1] <= 8 < forwards[0]  # 19 plain; 12 when drafts followed only a sample
-
-
 def test_a_draft_stops_before_a_token_after_which_the_grammar_forces_text():
     """After "a" the grammar forces "b": plain decoding appends it by jump-forward (maybe
     re-tokenizing "a" with it), so "a" may be sampled but never drafted; without jump-forward

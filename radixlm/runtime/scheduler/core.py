@@ -186,11 +186,7 @@ class Scheduler:
                 continue
             retractions = self.num_retractions
             try:
-                draft, reserve = (
-                    self._draft(req, cfg.max_batched_tokens - used - n, drafts)
-                    if n == req.num_uncomputed  # a draft follows the request's last token
-                    else ([], 0)
-                )
+                draft, reserve = self._draft(req, cfg.max_batched_tokens - used - n, drafts)
                 total = req.num_computed_tokens + n + len(draft) + reserve
                 ok = self._ensure_pages(req, total, items)
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
@@ -232,22 +228,11 @@ class Scheduler:
         return batch
 
     def _may_draft(self, req: Request) -> bool:
-        """Whether `req` may verify a draft this step (if it computes all its uncomputed
-        tokens): a decode; or, with `ngram`, a decoding request whose uncomputed tokens are
-        several known output tokens (the text a grammar forced: jump-forward), the draft then
-        following them in the same forward."""
-        if (
-            self.drafter is None
-            or req.num_output_tokens == 0
-            or len(self.running) >= self.config.speculative_disable_by_batch_size
-        ):
-            return False
-        if req.num_uncomputed == 1:
-            return True
         return (
-            self.config.speculative_algorithm == "ngram"
-            and req.num_uncomputed > 1
-            and req.num_computed_tokens >= req.num_prompt_tokens
+            self.drafter is not None
+            and req.num_uncomputed == 1
+            and req.num_output_tokens > 0
+            and len(self.running) < self.config.speculative_disable_by_batch_size
         )
 
     def _draft_limit(self, req: Request, most: int) -> int:
@@ -272,10 +257,10 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             base_rows += int(min(req.num_uncomputed, chunk_cap))
-            if not self._may_draft(req) or req.num_uncomputed > chunk_cap:
-                base_tokens += int(req.num_uncomputed == 1)
+            if req.num_uncomputed == 1:
+                base_tokens += 1
+            if not self._may_draft(req):
                 continue
-            base_tokens += 1  # it samples this step
             self.num_spec_decodes += 1
             limit = self._draft_limit(req, cfg.speculative_num_draft_tokens)
             p = self.drafter.propose(req, limit) if limit > 0 else None
