@@ -31,9 +31,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 from radixlm.radix.radix_cache import RadixCache
@@ -71,6 +72,33 @@ class _Buffers:
             self._free.append(buf)
             self._free.sort(key=len)
             del self._free[: max(0, len(self._free) - self._keep)]  # keep the largest
+
+
+def take_payloads(
+    keys: Iterable[bytes],
+    prefetched: Fetched | None,
+    store: TierStore,
+    limit: int | None = None,
+) -> tuple[list[bytes], list[bytes], int]:
+    """The leading ``keys`` (at most ``limit``) with their payloads, each popped from
+    ``prefetched`` or else read from ``store``, up to the first neither holds (missing or
+    corrupt); and how many came from ``prefetched``."""
+    taken: list[bytes] = []
+    payloads: list[bytes] = []
+    from_prefetched = 0
+    for key in keys:
+        if limit is not None and len(payloads) >= limit:
+            break
+        payload = prefetched.pop(key, None) if prefetched else None
+        if payload is not None:
+            from_prefetched += 1
+        else:
+            payload = store.get(key)
+        if payload is None:
+            break
+        taken.append(key)
+        payloads.append(payload)
+    return taken, payloads, from_prefetched
 
 
 class PageIO(Protocol):
@@ -201,16 +229,8 @@ class TierShard:
         if prefetched is None and keys:
             prefetched = self._claim(keys[0])
         try:
-            payloads: list[bytes] = []
-            for key in keys:
-                payload = prefetched.pop(key, None) if prefetched else None
-                if payload is not None:
-                    self.prefetched_pages += 1
-                else:
-                    payload = self.tier_store.get(key)
-                if payload is None:
-                    break
-                payloads.append(payload)
+            _, payloads, n_pre = take_payloads(keys, prefetched, self.tier_store)
+            self.prefetched_pages += n_pre
             self.io.write_pages(pages[: len(payloads)], payloads)
             return len(payloads)
         finally:
@@ -422,23 +442,10 @@ class HiCache:
         if len(tokens) - start < ps or (self.store.stats().pages == 0 and not prefetched):
             return []
         t0 = time.perf_counter()
-        keys: list[bytes] = []
-        payloads: list[bytes] = []
         limit = self.pool.num_pages - self.pool.num_held - reserve  # free or evictable, at most
-        for i, key in enumerate(page_keys(tokens, ps, namespace)):
-            if i * ps < start:
-                continue
-            if len(payloads) >= limit:
-                break
-            payload = prefetched.pop(key, None) if prefetched else None
-            if payload is not None:
-                self._prefetched_pages += 1
-            else:
-                payload = self.store.get(key)
-            if payload is None:
-                break
-            keys.append(key)
-            payloads.append(payload)
+        wanted = islice(page_keys(tokens, ps, namespace), start // ps, None)
+        keys, payloads, n_pre = take_payloads(wanted, prefetched, self.store, limit)
+        self._prefetched_pages += n_pre
         if not payloads:
             return []
         short = len(payloads) + reserve - self.pool.num_free

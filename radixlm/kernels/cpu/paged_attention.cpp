@@ -433,38 +433,24 @@ using DecodeFn = void (*)(const int32_t*, int64_t, int64_t, int64_t, int64_t, in
 // broadcast (the lanes are the head dims, in order). Per KV head, the query heads' accumulators
 // stay in registers across all key blocks; a KV head's block is 2 x 16 x D x 2 contiguous bytes.
 
-// 2^x for 16 lanes, x <= 0 (x <= -127, -inf or NaN: 0). Same polynomial as exp2v.
-inline __m512 exp2_16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-127.f);
-  const __m512 xc = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_scalef_ps(p, n));
-}
-
-// exp2_16 with a degree-5 polynomial (relative error < 3e-6): for the extend tiles' P, which is
+// 2^x for 16 lanes, x <= 0 (x <= -127, -inf or NaN: 0): 2^n * e^(r ln 2) with the Taylor
+// polynomial of degree Deg in r ln 2, r in [-0.5, 0.5]. Degree 7 (`exp2_16`) is exp2v's
+// (relative error < 1e-8); degree 5 (`exp2_16_p5`, < 3e-6) for the extend tiles' P, which is
 // rounded to bf16 (2^-9) before P @ V.
-inline __m512 exp2_16_p5(__m512 x) {
+template <int Deg>
+inline __m512 exp2_16_deg(__m512 x) {
+  static constexpr float kCoef[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f,
+                                     1.f / 6.f,    0.5f,         1.f,          1.f};
   const __m512 lo = _mm512_set1_ps(-127.f);
   const __m512 xc = _mm512_max_ps(x, lo);
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_mul_ps(_mm512_sub_ps(xc, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 120.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(kCoef[7 - Deg]);
+  for (int i = 8 - Deg; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kCoef[i]));
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), _mm512_scalef_ps(p, n));
 }
+inline __m512 exp2_16(__m512 x) { return exp2_16_deg<7>(x); }
+inline __m512 exp2_16_p5(__m512 x) { return exp2_16_deg<5>(x); }
 
 // Element offsets of the key blocks [first, first + 16 nb) of request req (first % 16 == 0).
 inline void block_bases(const int32_t* pages, int64_t first, int64_t nb, const Dims& dm,
