@@ -286,6 +286,20 @@ def apply_top_k_top_p(
     return logits.masked_fill(~keep, -torch.inf)
 
 
+def argmax_rows(x: Tensor) -> Tensor:
+    """``x.argmax(dim=-1)`` for ``x`` ``[B, V]``: on CPU (float32 / bf16, rows contiguous) the
+    compiled op (``sampling_ops.cpp``: torch's result, ~50x faster for 8 bf16 rows of a 49k
+    vocabulary), else torch's."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2:
+        if x.stride(-1) == 1 and x.shape[-1] > 0:
+            from radixlm.kernels.cpu.build import load_op
+
+            op = load_op()
+            if op is not None:
+                return op.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 def pick(probs: Tensor, u: Tensor) -> Tensor:
     """Inverse-CDF sampling: per row of ``probs`` ``[R, V]`` (non-negative, any positive sum)
     the token where the cumulative mass first exceeds ``u * total`` (``u`` ``[R]`` in [0, 1));
@@ -345,7 +359,7 @@ class Sampler:
         if info.all_greedy and not info.need_penalties and not info.need_logprobs:
             # Hot path: argmax is exact in the input dtype; no float32 copy, no sort.
             x = self._mask(logits, info, vocab_mask)
-            return SampleOutput(next_token_ids=x.argmax(dim=-1).tolist())
+            return SampleOutput(next_token_ids=argmax_rows(x).tolist())
 
         raw = logits.float()  # [B, V]; may alias the caller's tensor: ops below are out of place
         x = self._mask(raw, info, vocab_mask)
@@ -355,11 +369,11 @@ class Sampler:
             x = apply_penalties(x, info)
         rows = [i for i, g in enumerate(info.is_greedy) if not g]
         if not rows:
-            next_ids = x.argmax(dim=-1)  # [B]
+            next_ids = argmax_rows(x)  # [B]
         elif len(rows) == info.batch_size:
             next_ids = self._sample(x, info, rows)
         else:
-            next_ids = x.argmax(dim=-1)
+            next_ids = argmax_rows(x)
             idx = torch.tensor(rows, device=x.device)  # [R]
             next_ids[idx] = self._sample(x[idx], info, rows)
         return self.with_logprobs(raw, next_ids, info)

@@ -364,3 +364,30 @@ def test_logit_bias_params_are_validated() -> None:
     for bad in ({-1: 1.0}, {3: 101.0}, {3: float("nan")}, {"3": 1.0}, [(1, 2, 3)]):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 49152 + 7])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype, vocab: int) -> None:
+    """The compiled greedy argmax (``sampling_ops.cpp``) gives torch.argmax's indices: the first
+    of tied maxima, a NaN (its first) over everything, all -inf rows, +inf, rows inside a wider
+    tensor; the op is the one called on CPU."""
+    from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import argmax_rows
+
+    gen = torch.Generator().manual_seed(vocab)
+    wide = torch.randn(7, vocab + 5, generator=gen).to(dtype)
+    x = wide[:, :vocab]  # rows vocab + 5 apart
+    x[1] = float("-inf")
+    if vocab > 3:
+        x[2, [1, 3]] = 50.0  # a tie: the first wins
+        x[3, [2, vocab - 1]] = float("nan")
+        x[4, vocab - 1] = float("inf")
+        x[5, vocab // 2] = float("nan")
+        x[5, 0] = float("inf")
+    want = x.float().argmax(dim=-1)
+    assert torch.equal(argmax_rows(x), want)
+    assert torch.equal(x.argmax(dim=-1), want)
+    op = load_op()
+    assert op is not None and torch.equal(op.argmax_rows(x), want)
+    assert argmax_rows(torch.empty(0, vocab, dtype=dtype)).shape == (0,)

@@ -1,4 +1,9 @@
-// Ops of the sampling step on CPU: the grammar's token bitmask applied to the logits.
+// Ops of the sampling step on CPU: the grammar's token bitmask applied to the logits, and the
+// greedy rows' argmax.
+//
+// argmax_rows(logits) -> int64 [B]: per row the index of its first largest value, a NaN
+// counting as the largest (torch.argmax's result, bit for bit); torch's CPU argmax takes
+// ~700 us for 8 bf16 rows of 49152 here (~4% of a batch-8 decode step), this ~15 us.
 //
 // apply_token_bitmask_(logits, bitmask, rows): for each r in rows, logits[r, t] = -inf wherever
 // bit t % 32 of bitmask[r, t / 32] is 0 (xgrammar's layout; t < V). A grammar row allows a few
@@ -8,11 +13,13 @@
 // Twin: radixlm.runtime.grammar.bitmask.apply_token_bitmask_torch.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -66,10 +73,82 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at
   }
 }
 
+inline float as_float(float v) { return v; }
+inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+// The first index of the row's largest value (a NaN first if there is one).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 mx = _mm512_set1_ps(best);
+  __mmask16 nan = 0;
+  for (; i + 16 <= V; i += 16) {
+    __m512 v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = _mm512_loadu_ps(x + i);
+    } else {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    mx = _mm512_max_ps(mx, v);
+  }
+  if (nan) i = 0;  // a NaN: the scalar scan below finds the first one
+  else best = _mm512_reduce_max_ps(mx);
+#endif
+  for (int64_t j = i; j < V; ++j) {
+    const float v = as_float(x[j]);
+    if (v != v) return j;
+    if (v > best) best = v;
+  }
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 b = _mm512_set1_ps(best);
+  for (; j + 16 <= V; j += 16) {
+    __m512 v;
+    if constexpr (std::is_same_v<T, float>) {
+      v = _mm512_loadu_ps(x + j);
+    } else {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const __mmask16 eq = _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
+    if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
+  }
+#endif
+  for (; j < V; ++j)
+    if (as_float(x[j]) == best) return j;
+  return 0;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be [B, V], rows contiguous");
+  const int64_t B = logits.size(0), V = logits.size(1), rs = logits.stride(0);
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) {
+    if (logits.scalar_type() == at::kFloat) {
+      o[r] = argmax_row(logits.data_ptr<float>() + r * rs, V);
+    } else if (logits.scalar_type() == at::kBFloat16) {
+      o[r] = argmax_row(logits.data_ptr<c10::BFloat16>() + r * rs, V);
+    } else {
+      TORCH_CHECK(false, "logits must be float32 or bfloat16");
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) { m.impl("apply_token_bitmask_", &apply_token_bitmask_); }
+TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
+  m.impl("apply_token_bitmask_", &apply_token_bitmask_);
+  m.impl("argmax_rows", &argmax_rows);
+}
