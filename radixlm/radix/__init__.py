@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from radixlm.radix.block_pool import BlockPool, OutOfPagesError
-from radixlm.radix.hicache import HiCache, HiCacheStats, PageIO, TierFollowers, TierShard
+from radixlm.radix.hicache import HiCache, HiCacheStats, TierFollowers
 from radixlm.radix.radix_cache import CacheStats, MatchResult, RadixCache, TreeNode
 from radixlm.radix.swa_pool import HybridBlockPool
 from radixlm.radix.tier import FileTierStore, HostTierStore, TierStore, open_file_store
+from radixlm.radix.tier_shard import PageIO, TierShard
 
 __all__ = [
     "BlockPool",

@@ -76,6 +76,15 @@ void apply_token_bitmask_(at::Tensor logits, const at::Tensor& bitmask, const at
 inline float as_float(float v) { return v; }
 inline float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
 
+#if defined(__AVX512F__)
+// 16 values as fp32 (bf16: the 16 bits shifted into the high half, exact).
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // The first index of the row's largest value (a NaN first if there is one).
 template <typename T>
 int64_t argmax_row(const T* x, int64_t V) {
@@ -85,13 +94,7 @@ int64_t argmax_row(const T* x, int64_t V) {
   __m512 mx = _mm512_set1_ps(best);
   __mmask16 nan = 0;
   for (; i + 16 <= V; i += 16) {
-    __m512 v;
-    if constexpr (std::is_same_v<T, float>) {
-      v = _mm512_loadu_ps(x + i);
-    } else {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m512 v = load16(x + i);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     mx = _mm512_max_ps(mx, v);
   }
@@ -107,13 +110,7 @@ int64_t argmax_row(const T* x, int64_t V) {
 #if defined(__AVX512F__)
   const __m512 b = _mm512_set1_ps(best);
   for (; j + 16 <= V; j += 16) {
-    __m512 v;
-    if constexpr (std::is_same_v<T, float>) {
-      v = _mm512_loadu_ps(x + j);
-    } else {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
-      v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m512 v = load16(x + j);
     const __mmask16 eq = _mm512_cmp_ps_mask(v, b, _CMP_EQ_OQ);
     if (eq) return j + __builtin_ctz(static_cast<unsigned>(eq));
   }

@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from radixlm.radix import HiCache
-from radixlm.radix.hicache import Fetched
+from radixlm.radix.tier_shard import Fetched
 from radixlm.runtime.request import Request
 
 logger = logging.getLogger(__name__)
