@@ -109,7 +109,9 @@ def apply_token_bitmask(
         # after this step's sampled tokens were read back (which synchronizes the stream).
         bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
-        op = _cpu_op()
+        from radixlm.kernels.cpu.build import load_op  # the compiled CPU ops, or None
+
+        op = load_op()
         if op is not None and logits.stride(-1) == 1:
             idx = range(logits.shape[0]) if rows is None else rows
             op.apply_token_bitmask_(
@@ -123,10 +125,3 @@ def apply_token_bitmask(
         return
     indices = None if rows is None else [int(r) for r in rows]
     xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=indices)
-
-
-def _cpu_op():  # type: ignore[no-untyped-def]
-    """The compiled CPU ops (`radixlm.kernels.cpu.sampling_ops.cpp`), or None."""
-    from radixlm.kernels.cpu.build import load_op
-
-    return load_op()
