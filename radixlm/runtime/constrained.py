@@ -48,10 +48,11 @@ from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
 
 # Redraws of one row before the likeliest allowed tokens are checked at once, _FIRST_SCAN of
-# them, twice as many each time after (all of them, at worst: a dead end). A redraw (the
-# sampler on one row, ~0.7 ms) costs as much as ~30 prefix checks: a model that keeps
-# drawing refused tokens (a lookaround pattern it wants to break) is cheaper to scan.
-_MAX_REDRAWS = 2
+# them, twice as many each time after (all of them, at worst: a dead end). A redraw from the
+# kept distribution (``Sampler.redraw``, ~10-25 us on CPU) costs about one check (~10-25 us; a
+# string prefix check more), so a row scans only once the model keeps drawing refused tokens
+# (a lookaround pattern it wants to break), where the mass left to draw from is small.
+_MAX_REDRAWS = 8
 _FIRST_SCAN = 32
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 
@@ -69,7 +70,9 @@ class KeywordStats:
     rollbacks: int = 0
 
 
-Redraw = Callable[[int], tuple[int, Any]]
+# A fresh (token, logprob) for row i of the step's masked logits, or None when the row allows
+# no token any more (a dead end).
+Redraw = Callable[[int], tuple[int, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,11 @@ class GrammarStep:
         self.seconds += time.perf_counter() - start
         return out
 
+    @staticmethod
+    def verifies(matchers: list[GrammarMatcher | None]) -> bool:
+        """Some row of ``matchers`` has a verifier (``verify`` may resample it)."""
+        return any(isinstance(m, VerifiedMatcher) for m in matchers)
+
     def verify(
         self,
         matchers: list[GrammarMatcher | None],
@@ -188,9 +196,10 @@ class GrammarStep:
     ) -> dict[int, SampleError]:
         """Sample, check, mask, resample: for each row whose matcher has a verifier, while
         the exact schema refuses ``tokens[i]``, set ``logits[i, tokens[i]] = -inf`` and take
-        ``redraw(i)`` (a fresh (token, logprob) from the masked row). ``tokens`` / ``logprobs``
-        are updated in place; returns the rows left with no token (their requests fail with
-        code ``DEAD_END``). ``logits`` is the step's private masked copy."""
+        ``redraw(i)`` (a fresh (token, logprob) from the masked row, None when none is left).
+        ``tokens`` / ``logprobs`` are updated in place; returns the rows left with no token
+        (their requests fail with code ``DEAD_END``). ``logits`` is the step's private masked
+        copy."""
         self._settle()
         errors: dict[int, SampleError] = {}
         start = time.perf_counter()
@@ -207,7 +216,8 @@ class GrammarStep:
                     if redraws >= _MAX_REDRAWS:
                         self._mask_refused(m, logits[i], scan, passed)
                         scan *= 2
-                if not bool(torch.isfinite(logits[i]).any()):
+                drawn = redraw(i)
+                if drawn is None:
                     stats.dead_ends += 1
                     errors[i] = SampleError(
                         f"the JSON schema's {keyword!r} refuses every continuation the grammar "
@@ -216,7 +226,7 @@ class GrammarStep:
                         keyword,
                     )
                     break
-                tokens[i], logprobs[i] = redraw(i)
+                tokens[i], logprobs[i] = drawn
                 stats.resampled += 1
                 redraws += 1
         elapsed = time.perf_counter() - start

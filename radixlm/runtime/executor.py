@@ -24,6 +24,7 @@ from radixlm.runtime.batch import SampleError, ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
 from radixlm.runtime.sampler import (
+    RowDraw,
     Sampler,
     SamplingBatchInfo,
     make_generator,
@@ -447,15 +448,26 @@ class Executor:
         if not reqs:
             return [], [], {}
         logits, suppress, raw, matchers = self._prepare(reqs, logits, rows, prefixes)
-        tokens, lps = self._draw(reqs, logits, suppress, raw, prefixes)
+        verified = (
+            matchers is not None and self.grammar is not None and self.grammar.verifies(matchers)
+        )
+        tokens, lps, kept = self._draw(reqs, logits, suppress, raw, prefixes, keep=verified)
         errors: dict[int, SampleError] = {}
         if matchers is not None:
             assert self.grammar is not None
 
-            def redraw(i: int) -> tuple[int, TokenLogprob | None]:
+            def redraw(i: int) -> tuple[int, TokenLogprob | None] | None:
+                row = kept.get(i)
+                if row is not None and not reqs[i].params.logprobs:
+                    tok = self.sampler.redraw(row, logits[i], self._generator(reqs[i]))
+                    if tok is not None:
+                        return tok, None
+                    kept.pop(i)
+                if not bool(torch.isfinite(logits[i]).any()):
+                    return None  # every token refused: a dead end
                 one = slice(i, i + 1)
                 row_raw = None if raw is None else raw[one]
-                [tok], [lp] = self._draw(
+                [tok], [lp], _ = self._draw(
                     [reqs[i]], logits[one], [suppress[i]], row_raw, [prefixes[i]]
                 )
                 return tok, lp
@@ -489,11 +501,13 @@ class Executor:
         suppress: list[list[int]],
         raw: torch.Tensor | None,
         prefixes: list[list[int]],
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        keep: bool = False,
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, RowDraw]]:
         """The sampler on (masked) ``logits`` ``[len(reqs), V]``; logprobs from ``raw``. Row
-        i's output counts (penalties) include ``prefixes[i]``, the draft tokens before it."""
+        i's output counts (penalties) include ``prefixes[i]``, the draft tokens before it.
+        ``keep``: also what the rows were drawn from, for ``Sampler.redraw``."""
         info = self._info(reqs, suppress, prefixes, logits.device)
-        out = self.sampler(logits, info, raw_logits=raw)
+        out = self.sampler(logits, info, raw_logits=raw, keep=keep)
         lps: list[TokenLogprob | None] = []
         for i, (req, tok) in enumerate(zip(reqs, out.next_token_ids)):
             if req.params.logprobs and out.logprobs is not None:
@@ -501,4 +515,4 @@ class Executor:
                 lps.append(TokenLogprob(tok, out.logprobs[i], top or []))
             else:
                 lps.append(None)
-        return out.next_token_ids, lps
+        return out.next_token_ids, lps, out.kept or {}

@@ -21,6 +21,9 @@ Invariants:
   logits), like vLLM's default ``raw_logprobs``.
 - The caller's ``logits`` tensor is never modified.
 - Every row must leave at least one token allowed (``vocab_mask`` / suppressed ids).
+- ``redraw`` on a kept row (``keep=True``) is the same draw as the sampler's on that row's
+  logits with the removed tokens at -inf (one uniform from the row's generator, as a sample),
+  without a second pass of the sampler: the verifier's resampling loop.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from radixlm.runtime.sampling_params import SamplingParams
 
 # Top-k / top-p try these candidate widths (torch.topk) before a full sort of the vocabulary.
 CANDIDATE_WIDTHS = (64, 1024)
+# A redraw from kept probabilities needs this much mass left; below it, tokens whose probability
+# underflowed to 0 could matter, and the sampler draws from the logits instead.
+_MIN_REDRAW_MASS = 1e-4
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -77,6 +83,7 @@ class SamplingBatchInfo:
     top_logprobs: list[int]
     top_k_list: list[int]  # == top_ks, on the CPU
     top_p_list: list[float]  # == top_ps, on the CPU
+    min_p_list: list[float]  # == min_ps, on the CPU
     suppress_token_ids: list[list[int]] | None = None
     # Sparse logit bias: logits[bias_rows[j], bias_tokens[j]] += bias_values[j].
     bias_rows: Tensor | None = None  # [N] int64
@@ -145,6 +152,7 @@ class SamplingBatchInfo:
             top_logprobs=[p.top_logprobs for p in params],
             top_k_list=top_ks,
             top_p_list=top_ps,
+            min_p_list=[p.min_p for p in params],
             suppress_token_ids=(
                 [list(s) for s in suppress_token_ids]
                 if suppress_token_ids is not None and any(suppress_token_ids)
@@ -207,6 +215,24 @@ class SampleOutput:
     next_token_ids: list[int]  # [B]
     logprobs: list[float | None] | None = None  # [B]
     top_logprobs: list[list[tuple[int, float]] | None] | None = None  # [B][k], descending
+    # With ``keep=True``: per row whose redraw needs no second pass of the sampler (see
+    # ``RowDraw``), what it was drawn from; ``Sampler.redraw`` draws again with tokens removed.
+    kept: dict[int, RowDraw] | None = None
+
+
+@dataclass
+class RowDraw:
+    """What one row's token was drawn from, kept for redraws (``Sampler.redraw``).
+
+    ``greedy``: ``values`` are the row's scores after bias and penalties (the token was their
+    argmax); else ``values`` are its probabilities (temperature applied, no min-p / top-k /
+    top-p on the row: those filters depend on which tokens remain, so a row with one is not
+    kept). Either way, removing tokens from ``values`` and drawing again is exactly the
+    sampler's draw on the row's logits with those tokens at -inf.
+    """
+
+    greedy: bool
+    values: Tensor  # [V] float32 (greedy: may alias the caller's logits row)
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -286,17 +312,23 @@ def apply_top_k_top_p(
     return logits.masked_fill(~keep, -torch.inf)
 
 
+def _cpu_op(x: Tensor):  # noqa: ANN202 - the compiled ops' namespace, or None
+    """The compiled CPU ops when ``x`` (float32 / bf16) is on the CPU and they built."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from radixlm.kernels.cpu.build import load_op
+
+    return load_op()
+
+
 def argmax_rows(x: Tensor) -> Tensor:
     """``x.argmax(dim=-1)`` for ``x`` ``[B, V]``: on CPU (float32 / bf16, rows contiguous) the
     compiled op (``sampling_ops.cpp``: torch's result, ~50x faster for 8 bf16 rows of a 49k
     vocabulary), else torch's."""
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2:
-        if x.stride(-1) == 1 and x.shape[-1] > 0:
-            from radixlm.kernels.cpu.build import load_op
-
-            op = load_op()
-            if op is not None:
-                return op.argmax_rows(x)
+    if x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        op = _cpu_op(x)
+        if op is not None:
+            return op.argmax_rows(x)
     return x.argmax(dim=-1)
 
 
@@ -350,16 +382,21 @@ class Sampler:
         info: SamplingBatchInfo,
         vocab_mask: Tensor | None = None,
         raw_logits: Tensor | None = None,
+        keep: bool = False,
     ) -> SampleOutput:
         """Sample one token per row. ``logits`` is ``[B, V]`` of any float dtype (computed in
         float32). ``vocab_mask`` is an optional bool ``[B, V]`` allow-list (True = allowed),
         e.g. a grammar bitmask unpacked by the caller. ``raw_logits``: the model's logits when
         the caller already masked ``logits`` in place (grammar bitmask); logprobs come from them.
+        ``keep``: fill ``SampleOutput.kept`` (the rows a redraw may take without the sampler).
         """
         if info.all_greedy and not info.need_penalties and not info.need_logprobs:
             # Hot path: argmax is exact in the input dtype; no float32 copy, no sort.
             x = self._mask(logits, info, vocab_mask)
-            return SampleOutput(next_token_ids=argmax_rows(x).tolist())
+            out = SampleOutput(next_token_ids=argmax_rows(x).tolist())
+            if keep:
+                out.kept = {i: RowDraw(True, x[i]) for i in range(info.batch_size)}
+            return out
 
         raw = logits.float()  # [B, V]; may alias the caller's tensor: ops below are out of place
         x = self._mask(raw, info, vocab_mask)
@@ -368,15 +405,50 @@ class Sampler:
         if info.need_penalties:
             x = apply_penalties(x, info)
         rows = [i for i, g in enumerate(info.is_greedy) if not g]
+        probs = None
         if not rows:
             next_ids = argmax_rows(x)  # [B]
         elif len(rows) == info.batch_size:
-            next_ids = self._sample(x, info, rows)
+            next_ids, probs = self._sample(x, info, rows)
         else:
             next_ids = argmax_rows(x)
             idx = torch.tensor(rows, device=x.device)  # [R]
-            next_ids[idx] = self._sample(x[idx], info, rows)
-        return self.with_logprobs(raw, next_ids, info)
+            next_ids[idx], probs = self._sample(x[idx], info, rows)
+        out = self.with_logprobs(raw, next_ids, info)
+        if keep:
+            out.kept = {i: RowDraw(True, x[i]) for i, g in enumerate(info.is_greedy) if g}
+            assert probs is not None or not rows
+            vocab = x.shape[-1]
+            for j, i in enumerate(rows):
+                ks, ps, mins = info.top_k_list[i], info.top_p_list[i], info.min_p_list[i]
+                if ks >= vocab and ps >= 1 and mins <= 0:  # no filter on the row
+                    out.kept[i] = RowDraw(False, probs[j])  # type: ignore[index]
+        return out
+
+    def redraw(self, row: RowDraw, logits: Tensor, generator: torch.Generator | None) -> int | None:
+        """A fresh draw for a kept row with the tokens where ``logits`` ``[V]`` (the row's
+        masked logits) is -inf taken out: the same as the sampler's draw on ``logits``, without
+        a second pass of the sampler; ``row`` keeps them out (in place) for the next redraw.
+        A sampled row draws one uniform from ``generator`` (else the shared default). None
+        when the row cannot tell exactly (no score left, or under ``_MIN_REDRAW_MASS`` of
+        probability, where tokens whose probability underflowed to 0 would matter): the caller
+        runs the sampler instead. On CPU a compiled op (``sampling_ops.cpp``), else torch."""
+        if row.values.dtype != torch.float32:
+            row.values = row.values.float()  # [V] (a greedy row's bf16 logits)
+        u = 0.0 if row.greedy else float(self._uniform(generator, row.values.device))
+        op = _cpu_op(row.values)
+        if op is not None and logits.is_contiguous():
+            tok = op.redraw_row_(row.values, logits, row.greedy, u, _MIN_REDRAW_MASS)
+            return None if tok < 0 else tok
+        removed = torch.isneginf(logits)  # [V]
+        if row.greedy:
+            row.values = row.values.masked_fill(removed, -torch.inf)  # [V]
+            best = argmax_rows(row.values[None])  # [1]
+            return None if row.values[best].isneginf().item() else int(best)
+        p = row.values.masked_fill_(removed, 0.0)  # [V]
+        if float(p.sum()) < _MIN_REDRAW_MASS:
+            return None
+        return int(pick(p[None], torch.tensor([u], device=p.device))[0])
 
     @staticmethod
     def _mask(x: Tensor, info: SamplingBatchInfo, vocab_mask: Tensor | None) -> Tensor:
@@ -395,8 +467,9 @@ class Sampler:
             x = x.index_put((rows, cols), torch.tensor(-torch.inf, dtype=x.dtype, device=x.device))
         return x
 
-    def _sample(self, x: Tensor, info: SamplingBatchInfo, rows: list[int]) -> Tensor:
-        """Sample rows ``rows`` of the batch; ``x`` ``[R, V]`` holds exactly those rows."""
+    def _sample(self, x: Tensor, info: SamplingBatchInfo, rows: list[int]) -> tuple[Tensor, Tensor]:
+        """Sample rows ``rows`` of the batch; ``x`` ``[R, V]`` holds exactly those rows.
+        Returns the tokens ``[R]`` and the probabilities they were drawn from ``[R, V]``."""
         idx = torch.tensor(rows, device=x.device) if len(rows) < info.batch_size else None
 
         def sel(t: Tensor) -> Tensor:
@@ -409,7 +482,8 @@ class Sampler:
             ks = [info.top_k_list[i] for i in rows]
             ps = [info.top_p_list[i] for i in rows]
             x = apply_top_k_top_p(x, sel(info.top_ks), sel(info.top_ps), ks, ps)
-        return pick(x.softmax(dim=-1), self._uniforms(info, rows, x.device))
+        probs = x.softmax(dim=-1)  # [R, V]
+        return pick(probs, self._uniforms(info, rows, x.device)), probs
 
     def probs(self, logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         """The distribution each row's token is drawn from, ``[B, V]`` float32: bias, masks,
@@ -446,9 +520,16 @@ class Sampler:
             u[shared] = torch.rand(len(shared), generator=gen, device=device)
         for j, i in enumerate(rows):
             gen = info.generators[i]
-            if gen is not None:  # a CPU generator works with device logits too
-                u[j] = torch.rand(1, generator=gen, device=gen.device)[0].to(device)
+            if gen is not None:
+                u[j] = self._uniform(gen, device)[0]
         return u
+
+    def _uniform(self, generator: torch.Generator | None, device: torch.device) -> Tensor:
+        """One U[0, 1) ``[1]`` from ``generator`` (a CPU generator works with device logits
+        too), else from the shared default."""
+        if generator is None:
+            return torch.rand(1, generator=self._default_generator(device), device=device)
+        return torch.rand(1, generator=generator, device=generator.device).to(device)
 
     @staticmethod
     def with_logprobs(raw: Tensor, next_ids: Tensor, info: SamplingBatchInfo) -> SampleOutput:

@@ -391,3 +391,101 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype, vocab: int) -> None:
     op = load_op()
     assert op is not None and torch.equal(op.argmax_rows(x), want)
     assert argmax_rows(torch.empty(0, vocab, dtype=dtype)).shape == (0,)
+
+
+def _torch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import radixlm.runtime.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: None)
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 49152 + 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_redraw_row_op_is_inverse_cdf_without_removed(vocab: int, dtype: torch.dtype) -> None:
+    """The compiled redraw (``sampling_ops.cpp``) zeroes the tokens whose logits are -inf in
+    place and picks the first token whose running mass exceeds ``u * total``: ``pick``'s token
+    on the zeroed row (up to rounding where the target sits on a boundary of the cdf); never a
+    removed token; -1 under the minimum mass or with nothing left."""
+    from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import pick
+
+    op = load_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen)
+    gone = torch.rand(vocab, generator=gen) < 0.4
+    gone[0] = vocab > 5  # the first token removed too
+    logits = logits.masked_fill(gone, float("-inf")).to(dtype)
+    probs = torch.randn(vocab, generator=gen).softmax(-1)
+    zeroed = probs.masked_fill(gone, 0.0)
+    cdf = zeroed.double().cumsum(0)
+    for u in torch.rand(200, generator=gen).tolist() + [0.0, 1.0 - 1e-9]:
+        values = probs.clone()
+        tok = op.redraw_row_(values, logits, False, u, 1e-4)
+        assert torch.equal(values, zeroed)
+        assert not gone[tok] and zeroed[tok] > 0
+        want = int(pick(zeroed[None], torch.tensor([u]))[0])
+        if tok != want:  # only where the target is within rounding of a boundary
+            target = u * float(cdf[-1])
+            assert abs(float(cdf[min(tok, want)]) - target) < 1e-5
+    assert op.redraw_row_(probs.clone(), logits, False, 0.5, 2.0) == -1  # mass 1 < 2
+    none_left = torch.full((vocab,), float("-inf"), dtype=dtype)
+    assert op.redraw_row_(probs.clone(), none_left, False, 0.5, 1e-4) == -1
+    scores = torch.randn(vocab, generator=gen)
+    tok = op.redraw_row_(scores.clone(), logits, True, 0.0, 1e-4)
+    assert tok == int(scores.masked_fill(gone, float("-inf")).argmax())
+    assert op.redraw_row_(scores.clone(), none_left, True, 0.0, 1e-4) == -1
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_redraw_is_the_sampler_with_tokens_removed(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept row's redraw with token 3 at -inf has the distribution of the sampler on logits
+    where token 3 is -inf (chi-square over 20000 draws), a second removal keeps the first;
+    greedy rows take the next argmax; rows with min-p / top-k / top-p are not kept (their
+    filters depend on what is left); None when nothing is left."""
+    if not compiled:
+        _torch_only(monkeypatch)
+    logits = torch.tensor([[1.0, 0.5, -0.3, 2.0, 0.0]])
+    temp = 0.7
+    sampler = Sampler(seed=5)
+    info = build([SamplingParams(temperature=temp)])
+    masked = logits.clone()
+    masked[0, 3] = float("-inf")
+    tokens = []
+    for _ in range(20000):
+        row = sampler(logits, info, keep=True).kept[0]  # type: ignore[index]
+        assert not row.greedy
+        tokens.append(sampler.redraw(row, masked[0], None))
+    expected = (masked[0] / temp).softmax(-1)
+    assert chi_square_on(tokens, expected, expected > 0) < 16.3  # df = 3, 0.999 quantile
+    row = sampler(logits, info, keep=True).kept[0]  # type: ignore[index]
+    assert sampler.redraw(row, masked[0], None) != 3
+    masked[0, 0] = float("-inf")
+    assert all(sampler.redraw(row, masked[0], None) in (1, 2, 4) for _ in range(50))
+    assert sampler.redraw(row, torch.full((V,), float("-inf")), None) is None
+
+    mixed = build(
+        [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.9),
+         SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, min_p=0.1),
+         SamplingParams(temperature=1.0)]
+    )  # fmt: skip
+    out = sampler(logits.expand(5, V).to(torch.bfloat16), mixed, keep=True)
+    assert out.kept is not None and sorted(out.kept) == [0, 4]
+    greedy = out.kept[0]
+    assert greedy.greedy and sampler.redraw(greedy, masked[0], None) == 1  # 3 and 0 removed
+    hot = sampler(logits.to(torch.bfloat16), build([SamplingParams(temperature=0)]), keep=True)
+    assert hot.kept is not None and sampler.redraw(hot.kept[0], masked[0], None) == 1
+    assert sampler(logits, info).kept is None
+
+
+def test_redraw_under_the_minimum_mass_defers_to_the_sampler() -> None:
+    """When the tokens left hold almost no probability (some may have underflowed to 0), the
+    redraw says so (None) instead of drawing from rounded values."""
+    logits = torch.tensor([[30.0, 0.0, -1.0, -2.0, -3.0]])
+    sampler = Sampler(seed=0)
+    row = sampler(logits, build([SamplingParams(temperature=1.0)]), keep=True).kept[0]  # type: ignore[index]
+    masked = logits[0].clone()
+    masked[0] = float("-inf")
+    assert sampler.redraw(row, masked, None) is None

@@ -11,6 +11,14 @@
 // masked stores; an all-ones word is skipped. Replaces xgrammar's CPU kernel (~50 us a row of
 // SmolLM2's vocabulary here, ~2.7% of a batch-8 decode step for 8 rows).
 // Twin: radixlm.runtime.grammar.bitmask.apply_token_bitmask_torch.
+//
+// redraw_row_(values, logits, greedy, u, min_mass) -> int: the verifier's resample of one row
+// (radixlm.runtime.sampler.Sampler.redraw; its torch path is the twin). Wherever logits[t] is
+// -inf (the grammar's mask and the refused tokens), values[t] becomes -inf (greedy: values are
+// scores, the draw is their first argmax) or 0 (values are probabilities, the draw is the first
+// t whose running sum exceeds u * total, inverse-CDF in vocabulary order as `pick`); -1 when no
+// score is left or the mass left is under min_mass. One pass zeroes and sums blocks of 256, a
+// second walks the block sums and then one block: ~10 us a row against ~130 us of torch ops.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +28,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -138,14 +147,108 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+template <typename L>
+inline bool is_ninf(L v) {
+  return as_float(v) == -std::numeric_limits<float>::infinity();
+}
+
+constexpr int64_t kRedrawBlock = 256;
+
+// values[t] = 0 where logits[t] is -inf; block sums of values (double) into sums.
+template <typename L>
+void zero_and_sum(float* p, const L* lg, int64_t V, std::vector<double>& sums) {
+  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
+  sums.assign(nb, 0.0);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    int64_t t = lo;
+    float acc = 0.f;
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 vacc = _mm512_setzero_ps();
+    for (; t + 16 <= hi; t += 16) {
+      const __mmask16 gone = _mm512_cmp_ps_mask(load16(lg + t), ninf, _CMP_EQ_OQ);
+      __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>(~gone), p + t);
+      _mm512_storeu_ps(p + t, v);
+      vacc = _mm512_add_ps(vacc, v);
+    }
+    acc = _mm512_reduce_add_ps(vacc);
+#endif
+    for (; t < hi; ++t) {
+      if (is_ninf(lg[t])) p[t] = 0.f;
+      acc += p[t];
+    }
+    sums[b] = acc;
+  }
+}
+
+template <typename L>
+int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass) {
+  if (greedy) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; t + 16 <= V; t += 16)
+      _mm512_mask_storeu_ps(p + t, _mm512_cmp_ps_mask(load16(lg + t), ninf, _CMP_EQ_OQ), ninf);
+#endif
+    for (; t < V; ++t)
+      if (is_ninf(lg[t])) p[t] = -std::numeric_limits<float>::infinity();
+    const int64_t best = argmax_row(p, V);
+    return is_ninf(p[best]) ? -1 : best;
+  }
+  std::vector<double> sums;
+  zero_and_sum(p, lg, V, sums);
+  double total = 0.0;
+  for (double s : sums) total += s;
+  if (!(total >= min_mass)) return -1;
+  const double target = u * total;
+  double run = 0.0;
+  int64_t last = -1;  // the last token with mass (rounding can put target at total)
+  for (int64_t b = 0; b < static_cast<int64_t>(sums.size()); ++b) {
+    if (sums[b] > 0) last = b;
+    if (run + sums[b] <= target) {
+      run += sums[b];
+      continue;
+    }
+    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    for (int64_t t = lo; t < hi; ++t) {
+      run += p[t];
+      if (run > target && p[t] > 0) return t;
+    }
+  }
+  if (last < 0) return -1;
+  for (int64_t t = std::min(V, (last + 1) * kRedrawBlock) - 1; t >= last * kRedrawBlock; --t)
+    if (p[t] > 0) return t;
+  return -1;
+}
+
+int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, double u,
+                    double min_mass) {
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat,
+              "values must be a contiguous float32 [V]");
+  TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.size(0) == values.size(0),
+              "logits must be a contiguous [V] like values");
+  const int64_t V = values.size(0);
+  TORCH_CHECK(V > 0, "empty row");
+  float* p = values.data_ptr<float>();
+  if (logits.scalar_type() == at::kFloat)
+    return redraw_row(p, logits.data_ptr<float>(), V, greedy, u, min_mass);
+  if (logits.scalar_type() == at::kBFloat16)
+    return redraw_row(p, logits.data_ptr<c10::BFloat16>(), V, greedy, u, min_mass);
+  TORCH_CHECK(false, "logits must be float32 or bfloat16");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def(
+      "redraw_row_(Tensor(a!) values, Tensor logits, bool greedy, float u, float min_mass) -> int");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("redraw_row_", &redraw_row_);
 }

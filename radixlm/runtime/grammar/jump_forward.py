@@ -23,6 +23,7 @@ adding a prefix space) gets no jump; both are no-ops, never wrong tokens.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,11 +58,34 @@ def _valid_utf8_prefix(data: bytes) -> bytes:
     return b""
 
 
+# Per vocabulary, ``_retokenize``'s answers: a schema's forced keys and punctuation come back
+# with the same few sampled tokens before them, and a tokenizer call costs ~50-90 us of Python.
+_Respelled = dict[tuple[tuple[int, ...], bytes], tuple[int, tuple[int, ...]] | None]
+_RESPELLED: weakref.WeakKeyDictionary[TokenVocab, _Respelled] = weakref.WeakKeyDictionary()
+_MAX_RESPELLED = 4096  # entries per vocabulary (cleared when full)
+
+
 def _retokenize(
     vocab: TokenVocab, tail: Sequence[int], forced: bytes
 ) -> tuple[int, list[int]] | None:
     """(rollback, new tokens) re-spelling ``join(tail) + forced`` (or its longest valid UTF-8
-    prefix), or None when the tokenizer does not round-trip those bytes."""
+    prefix), or None when the tokenizer does not round-trip those bytes. Remembered per
+    vocabulary (the answer depends only on the tokenizer and the inputs)."""
+    memo = _RESPELLED.get(vocab)
+    if memo is None:
+        memo = _RESPELLED.setdefault(vocab, {})
+    key = (tuple(tail), forced)
+    if key in memo:
+        hit = memo[key]
+        return None if hit is None else (hit[0], list(hit[1]))
+    out = _respell(vocab, tail, forced)
+    if len(memo) >= _MAX_RESPELLED:
+        memo.clear()
+    memo[key] = None if out is None else (out[0], tuple(out[1]))
+    return out
+
+
+def _respell(vocab: TokenVocab, tail: Sequence[int], forced: bytes) -> tuple[int, list[int]] | None:
     tail_bytes = vocab.join(tail)
     if tail_bytes is None:
         return None

@@ -171,3 +171,30 @@ def test_manager_flag_disables_jumping(tokenizer: Any, backends: dict[str, Gramm
 
 def vocab_bytes(mgr: GrammarManager, ids: tuple[int, ...]) -> bytes | None:
     return mgr.vocab.join(ids)
+
+
+def test_respelling_is_remembered_per_vocabulary(tokenizer: Any, vocab: TokenVocab) -> None:
+    """The re-spelling of (sampled tail, forced bytes) is the tokenizer's the first time and
+    the same answer after, without calling it again; one that does not round-trip stays None;
+    another vocabulary asks its own tokenizer."""
+    from radixlm.runtime.grammar.jump_forward import _retokenize
+
+    calls: list[str] = []
+
+    def encode(text: str) -> list[int]:
+        calls.append(text)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    counted = TokenVocab(vocab.token_bytes, vocab.eos_token_ids, encode)
+    (brace,) = tokenizer.encode("{")
+    first = _retokenize(counted, [brace], b'"name":"')
+    assert first is not None and calls == ['{"name":"']
+    rollback, ids = first
+    assert rollback == 1 and counted.join(ids) == b'{"name":"'
+    again = _retokenize(counted, [brace], b'"name":"')
+    assert again == first and len(calls) == 1
+    again[1].append(0)  # the caller's list is its own
+    assert _retokenize(counted, [brace], b'"name":"') == first
+    assert _retokenize(counted, [], b"\xff") is None and len(calls) == 1  # no valid text
+    other = TokenVocab(vocab.token_bytes, vocab.eos_token_ids, encode)
+    assert _retokenize(other, [brace], b'"name":"') == first and len(calls) == 2
