@@ -20,7 +20,13 @@ Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
   ``check_token``'s refusals), so the accepted tokens always spell a prefix of the relaxation
   whose completed values the exact schema admits; EOS is refused while the exact check of the
   end (a top-level number) fails, and ``is_completed`` says so.
-- One scanner state per accepted token: ``rollback`` and ``fork`` stay exact and cheap.
+- One scanner state per accepted token: ``rollback`` and ``fork`` stay exact and cheap. A run
+  of tokens accepted together (``accept_tokens``: jump-forward's forced text) is fed to the
+  tracker at once, its last state known and the ones inside it ``_LAZY`` until something reads
+  them (``_state``: fed token by token from the last known one; feeding the same bytes in
+  pieces refuses nothing that feeding them at once admits). The last state is never lazy. When
+  ``check_token(t)`` fed the forced text after ``t`` (``_ahead``), accepting ``t`` and then
+  that text reuses the state it found.
 - ``num_settled()``: the accepted tokens before the outermost open value the exact schema may
   refuse by its own keywords (``json_track.open_checked``); the tokens after it are the ones a
   dead end may take back, so the scheduler holds them back from the client. It never
@@ -33,6 +39,7 @@ Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -185,6 +192,9 @@ def _inert(state: ScanState, data: bytes) -> bool:
     return len(data) <= sc.left
 
 
+_LAZY = object()  # a tracker state not computed yet (inside a run ``accept_tokens`` took)
+
+
 class VerifiedMatcher(GrammarMatcher):
     can_backtrack = True
 
@@ -199,6 +209,9 @@ class VerifiedMatcher(GrammarMatcher):
         self.num_rollbacks = 0  # dead ends left by ``backtrack``
         self._eos = frozenset(inner.vocab.eos_token_ids)
         self._tried: tuple[int, int, Any] | None = None  # (depth, token, result)
+        # (state, bytes, the state after them): what ``_ahead`` fed last, for accept_tokens (a
+        # state is immutable and ``feed`` a function of it and the bytes: never stale)
+        self._fed: list[tuple[Any, bytes, Any]] = []
 
     def _next(self, token_id: int) -> Any:
         """The tracker's state after ``token_id`` (EOS: the end), or the refusing keyword."""
@@ -237,7 +250,12 @@ class VerifiedMatcher(GrammarMatcher):
                 if self.tracker.inert(state, forced):
                     return None
                 after = self.tracker.feed(state, forced)
-                return after if isinstance(after, str) else None
+                if isinstance(after, str):
+                    return after
+                # jump-forward appends ``forced`` after ``token_id`` (or re-spells both)
+                data = self.vocab.token_bytes[token_id] or b""
+                self._fed = [(state, forced, after), (self._states[-1], data + forced, after)]
+                return None
             if inner.is_completed():
                 end = self.tracker.end(state)
                 if isinstance(end, str) and inner.only_eos_allowed():
@@ -253,6 +271,42 @@ class VerifiedMatcher(GrammarMatcher):
         self._states.append(result)
         self._tokens.append(token_id)
         return True
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """All or none; a run of several is fed to the tracker at once (the states inside it
+        stay ``_LAZY``), or not at all when ``_ahead`` fed these bytes from this state."""
+        n = len(self._tokens)
+        data = self.vocab.join(token_ids) if len(token_ids) > 1 else None
+        if data is None or any(p in self._bans for p in range(n, n + len(token_ids))):
+            return super().accept_tokens(token_ids)  # one token, EOS / special, or bans
+        state = self._states[-1]
+        after = next((a for s, d, a in self._fed if s is state and d == data), None)
+        if after is None:
+            after = self.tracker.feed(state, data)
+            if isinstance(after, str):
+                return False  # refused by the bytes themselves: one of the tokens would be
+        if not self.inner.accept_tokens(token_ids):
+            return False
+        self._states += [_LAZY] * (len(token_ids) - 1) + [after]
+        self._tokens += token_ids
+        self._tried = None
+        return True
+
+    def _state(self, k: int) -> Any:
+        """``_states[k]`` (``0 <= k < len``), fed from the last known state before it if lazy."""
+        states = self._states
+        if states[k] is not _LAZY:
+            return states[k]
+        j = k
+        while states[j] is _LAZY:
+            j -= 1
+        state = states[j]
+        for i in range(j + 1, k + 1):
+            state = self.tracker.feed(state, self.vocab.token_bytes[self._tokens[i - 1]] or b"")
+            if isinstance(state, str):  # pieces of text fed at once refuse nothing more
+                raise AssertionError(f"a lazy tracker state refused ({state})")
+            states[i] = state
+        return state
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self.inner.fill_bitmask(bitmask, row)
@@ -271,6 +325,7 @@ class VerifiedMatcher(GrammarMatcher):
         if num_tokens:
             del self._states[len(self._states) - num_tokens :]
             del self._tokens[len(self._tokens) - num_tokens :]
+            self._state(len(self._states) - 1)  # the last state is never lazy
             position = len(self._tokens)
             self._bans = {p: b for p, b in self._bans.items() if p <= position}
             self._tried = None
@@ -291,7 +346,7 @@ class VerifiedMatcher(GrammarMatcher):
         lo, hi = 0, len(self._states) - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if position(self._states[mid]) > start:
+            if position(self._state(mid)) > start:
                 hi = mid
             else:
                 lo = mid + 1

@@ -17,7 +17,7 @@ from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
 from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
-from radixlm.runtime.grammar.verified import VerifiedGrammar
+from radixlm.runtime.grammar.verified import _LAZY, VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
 from radixlm.tool_calls import call_begin
 
@@ -405,3 +405,39 @@ def test_a_completed_value_is_validated_once_per_schema_position(monkeypatch) ->
     assert answers == ["uniqueItems", None, "uniqueItems"]
     assert calls == [["a", "a"], ["a", "b"]]
     assert v.value(v.root, '{"n":1}') == "not" and v.value(v.root, '{"n":2}') is None
+
+
+def test_a_run_accepted_at_once_has_the_states_of_one_token_at_a_time() -> None:
+    """``accept_tokens`` feeds a run to the tracker at once; the states inside it, read later
+    (``num_settled``, a rollback into the run), are those of accepting token by token; a run
+    with a refused value is refused whole and changes nothing."""
+    text = '{"n":1,"tags":["a","b"]}'
+    at_once = _walked(TAGS, text)  # one run
+    one_by_one = _walked(TAGS, "")
+    for byte in text.encode():
+        assert one_by_one.accept_token(byte)
+    assert at_once._states[1:-1].count(_LAZY) == len(text) - 1  # nothing read them yet
+    for k in range(len(text) + 1):
+        assert at_once._state(k) == one_by_one._states[k]
+    at_once = _walked(TAGS, text)
+    at_once.rollback(5)  # into the run: the new last state is computed
+    assert at_once._states[-1] == one_by_one._states[len(text) - 5]
+    assert at_once.accept_tokens(list(text[-5:].encode())) and at_once.is_completed()
+    m = _walked(TAGS, '{"tags":["a"')
+    before = list(m._states)
+    assert not m.accept_tokens(list(b',"a"'))  # a repeated item
+    assert m._states == before and m.num_accepted == len('{"tags":["a"')
+
+
+def test_accepting_the_forced_text_after_a_checked_token_reuses_its_state(monkeypatch) -> None:
+    """``check_token(t)`` fed the forced text after ``t``; accepting ``t`` and then that text
+    (jump-forward) feeds the tracker no more."""
+    m = _walked(TAGS, '{"tags":["a","b"')
+    assert m.check_token(ord("]")) is None  # '}' is forced after it, and fed here
+    fed: list[bytes] = []
+    feed = m.tracker.feed
+    monkeypatch.setattr(m.tracker, "feed", lambda state, b: fed.append(b) or feed(state, b))
+    assert m.accept_token(ord("]")) and m.inner.forced_bytes() == b"}"
+    m.rollback(1)  # jump-forward re-spells the sampled token with the forced text
+    assert m.accept_tokens(list(b"]}")) and m.is_completed()
+    assert fed == []
