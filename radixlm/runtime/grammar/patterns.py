@@ -62,6 +62,65 @@ def has_lookaround(pattern: str) -> bool:
     )
 
 
+_BACKREFERENCE = re.compile(r"\\[1-9]|\(\?P=|\\k<")
+_COUNTED = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+# Counted repetitions above this are left to the verifier (llguidance's compile time grows
+# with them; ``relax._MAX_MIN_LENGTH_WITH_PATTERN`` is the same bound for ``minLength``).
+_MAX_COUNT = 64
+
+
+def without_lookarounds(pattern: str) -> str | None:
+    """``pattern`` with its lookahead / lookbehind groups taken out: a pattern that matches
+    every string ``pattern`` matches (an assertion only ever refuses), for a grammar to enforce
+    while the verifier checks the rest. None where that is not a plain pattern every backend
+    reads as Python does: a back-reference (it may name a group inside one), what is left does
+    not compile, or has an inner anchor, a top-level ``|``, a piece that can match a backslash,
+    a negated piece (``pattern_problems`` of every backend is then empty) or a count above
+    ``_MAX_COUNT``."""
+    if _BACKREFERENCE.search(pattern):
+        return None
+    out, depth, cut_from = [], 0, None  # cut_from: the depth where a lookaround group opened
+    for start, end in regex_atoms(pattern):
+        ch = pattern[start]
+        if ch == "(" and cut_from is None and is_lookaround_at(pattern, start):
+            cut_from = depth
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if cut_from is not None and depth == cut_from:
+                cut_from = None
+                continue
+        if cut_from is None:
+            out.append(pattern[start:end])
+    looser = "".join(out)
+    try:
+        re.compile(looser)
+    except re.error:
+        return None
+    n = len(looser)
+    for i in regex_syntax_positions(looser):
+        inner_anchor = (looser[i] == "^" and i != 0) or (looser[i] == "$" and i != n - 1)
+        if inner_anchor or (looser[i] == "|" and _top_level(looser, i)):
+            return None
+    if can_match_backslash(looser) or negation_problems(looser, ascii_only=True):
+        return None
+    counts = (int(b) for m in _COUNTED.finditer(looser) for b in m.groups() if b)
+    if any(c > _MAX_COUNT for c in counts):
+        return None
+    return looser
+
+
+def _top_level(pattern: str, i: int) -> bool:
+    """``pattern[i]`` is outside every group."""
+    depth = 0
+    for j in regex_syntax_positions(pattern):
+        if j >= i:
+            break
+        depth += {"(": 1, ")": -1}.get(pattern[j], 0)
+    return depth == 0
+
+
 def can_match_backslash(pattern: str) -> bool:
     """Whether some one-character piece of ``pattern`` (``regex_atoms``) can match a
     backslash: ``.``, ``\\\\``, ``\\S``, ``\\W``, ``\\D``, or a class containing it (ranges and

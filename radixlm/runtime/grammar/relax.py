@@ -8,7 +8,8 @@ lookahead". ``relax_schema`` splits a normalized schema in two:
   ``dependentRequired`` / ``dependentSchemas`` that normalization did not split into cases,
   ``patternProperties`` whose patterns may overlap (one pattern, the ``anyOf`` of the schemas;
   ``allOf`` members with overlapping patterns lose them and their ``additionalProperties``),
-  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern``, all but
+  ``unevaluated*`` beside in-place applicators, ``contains``, lookaround ``pattern`` (the
+  pattern without its lookarounds where that is plain, ``without_lookarounds``), all but
   one of several ``pattern`` s on one string, a ``minLength`` over 64 beside a ``pattern``), each
   replaced by something that accepts more: the grammar backends compile this;
 - ``verify``: the exact schema, where every relaxed schema object carries ``VERIFY_KEY`` (the
@@ -28,7 +29,7 @@ from typing import Any
 
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import normalize_schema
-from radixlm.runtime.grammar.patterns import has_lookaround
+from radixlm.runtime.grammar.patterns import has_lookaround, without_lookarounds
 from radixlm.runtime.grammar.schema_keywords import (
     NON_ASSERTING,
     VALIDATION_KEYWORDS,
@@ -200,7 +201,11 @@ class _Relaxer:
                 del out[key]
                 done.append(key)
         if isinstance(out.get("pattern"), str) and has_lookaround(out["pattern"]):
-            del out["pattern"]
+            looser = without_lookarounds(out["pattern"])  # the grammar keeps what it can
+            if looser:
+                out["pattern"] = looser
+            else:
+                del out["pattern"]
             done.append("pattern")
         if any(k in out for k in ("if", "then", "else")):
             cases = self._if_cases(out)

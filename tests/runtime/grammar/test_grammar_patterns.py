@@ -20,7 +20,9 @@ from radixlm.runtime.grammar.patterns import (
     names_except,
     pattern_complement,
     regex_matches,
+    without_lookarounds,
 )
+from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 
 
 @pytest.mark.parametrize(
@@ -160,3 +162,57 @@ def test_patterns_on_escaped_text_are_refused_where_unsound() -> None:
         assert not grammar_accepts(compiled.new_matcher(), '"a\\nb"'), name
     safe = Constraint.from_params(json_schema={"type": "string", "pattern": "^[a-z]+$"})
     get_backend("outlines")(BYTE_VOCAB).validate(safe)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "looser"),
+    [
+        (r"^(?!test)[a-z]{3,8}$", r"^[a-z]{3,8}$"),
+        (r"(?<!a)b", "b"),
+        (r"[(?!]x(?=y)", "[(?!]x"),  # a class holding "(?!" is no group
+        (r"^(?!(ab)+$)[a-c]*$", r"^[a-c]*$"),  # groups inside the lookaround go with it
+        (r"^[a-z]+(?<!-)$", r"^[a-z]+$"),
+        (r"^(?=.*\d).{8,}$", None),  # "." can match a backslash
+        (r"(a)(?!\1)b", None),  # a back-reference
+        (r"(?!a)|b", None),  # a top-level |
+        (r"^(?=[^a])[^b]+$", None),  # a negated class
+        (r"^(?!x)[a-z]{2,65}$", None),  # a count over 64
+    ],
+)
+def test_without_lookarounds(pattern: str, looser: str | None) -> None:
+    assert without_lookarounds(pattern) == looser
+
+
+LOOKAROUND_PATTERNS = [r"^(?!test)[a-z]{3,8}$", r"(?<!a)b", r"^(?!(ab)+$)[a-c]*$",
+                       r"^[a-z]+(?<!c)$", r"^a(?=b)", r"x(?!y)z?"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(LOOKAROUND_PATTERNS), st.text(alphabet="abcdestxyz-", max_size=10))
+def test_without_lookarounds_matches_a_superset(pattern: str, text: str) -> None:
+    """Every string the pattern matches (searched, as JSON Schema does), the looser one does."""
+    looser = without_lookarounds(pattern)
+    assert looser is not None
+    if re.search(pattern, text):
+        assert re.search(looser, text)
+
+
+def test_a_lookaround_pattern_leaves_the_grammar_its_plain_part() -> None:
+    """The grammar keeps ``pattern`` without its lookarounds where that is plain (a tighter
+    relaxation: the verifier then refuses only what the lookarounds refuse); otherwise it has
+    none; either way the verifier checks the whole pattern."""
+    schema = {"type": "string", "pattern": r"^(?!test)[a-z]{3,8}$"}
+    relaxed = relax_schema(schema)
+    assert relaxed.grammar["pattern"] == r"^[a-z]{3,8}$"
+    assert relaxed.verify[VERIFY_KEY] == ["pattern"]
+    assert relaxed.verify["pattern"] == schema["pattern"]
+    wide = relax_schema({"type": "string", "pattern": r"^(?=.*\d).{8,}$"})
+    assert "pattern" not in wide.grammar and wide.verify[VERIFY_KEY] == ["pattern"]
+    m = (
+        get_backend("xgrammar")(BYTE_VOCAB)
+        .compile(Constraint.from_params(json_schema=schema))
+        .new_matcher()
+    )
+    assert grammar_accepts(m.fork(), '"tesa"')
+    assert not grammar_accepts(m.fork(), '"testing"')  # the verifier: the lookahead
+    assert not grammar_accepts(m.fork(), '"ab1"')  # the grammar: [a-z]
