@@ -475,6 +475,14 @@ class Sampler:
         def sel(t: Tensor) -> Tensor:
             return t if idx is None else t[idx]
 
+        op = None if info.need_min_p or info.need_top_k_top_p else _cpu_op(x)
+        if op is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
+            # Temperature alone: the compiled op, three passes over a row (torch's ops below, the
+            # twin, take six); the same uniforms in the same order.
+            probs = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [R, V]
+            temps = sel(info.temperatures).contiguous()  # [R]
+            u = self._uniforms(info, rows, x.device)  # [R]
+            return op.sample_rows(x, temps, u, probs), probs
         x = x / sel(info.temperatures)[:, None]  # [R, V]
         if info.need_min_p:
             x = apply_min_p(x, sel(info.min_ps))

@@ -489,3 +489,68 @@ def test_redraw_under_the_minimum_mass_defers_to_the_sampler() -> None:
     masked = logits[0].clone()
     masked[0] = float("-inf")
     assert sampler.redraw(row, masked, None) is None
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 49152 + 7])
+def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
+    """The compiled temperature sampler (``sampling_ops.cpp``): ``probs`` is
+    ``softmax(x / T)``, a masked (-inf) token has probability 0 and is never drawn, and the
+    token is ``pick``'s on those probabilities for the same uniform (up to rounding where the
+    target sits on a boundary of the cdf)."""
+    from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import pick
+
+    op = load_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 6
+    x = torch.randn(rows, vocab + 3, generator=gen)[:, :vocab] * 4  # rows vocab + 3 apart
+    x[:, 1::3] = float("-inf")
+    temps = torch.tensor([0.3, 0.7, 1.0, 1.5, 2.0, 0.05])
+    for _ in range(20):
+        u = torch.rand(rows, generator=gen)
+        probs = torch.empty(rows, vocab)
+        tokens = op.sample_rows(x, temps, u, probs)
+        want_p = (x / temps[:, None]).softmax(-1)
+        # rtol: at T = 0.05 torch's x / T (~330) is rounded before the max is subtracted
+        assert torch.allclose(probs / probs.sum(-1, keepdim=True), want_p, atol=1e-7, rtol=1e-4)
+        assert not bool(torch.isinf(x.gather(1, tokens[:, None])).any())
+        want = pick(want_p, u)
+        cdf = want_p.double().cumsum(-1)
+        for r in range(rows):
+            t, w = int(tokens[r]), int(want[r])
+            if t != w:  # only at a boundary of the cdf
+                assert abs(float(cdf[r, min(t, w)]) - float(u[r]) * float(cdf[r, -1])) < 1e-5
+    with pytest.raises(RuntimeError, match="allows no token"):
+        op.sample_rows(torch.full((1, vocab), float("-inf")), temps[:1], u[:1], probs[:1])
+
+
+def test_sampler_takes_the_compiled_op_for_temperature_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows with a temperature and no filter go through ``sample_rows`` on CPU (the same tokens
+    for the same seed as the torch ops, a boundary aside); a batch with top-p does not."""
+    from radixlm.kernels.cpu.build import load_op
+
+    op = load_op()
+    calls: list[int] = []
+
+    class Counting:
+        def __getattr__(self, name: str):  # noqa: ANN204
+            if name == "sample_rows":
+                calls.append(1)
+            return getattr(op, name)
+
+    import radixlm.runtime.sampler as sampler_mod
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    info = build([SamplingParams(temperature=0.9)] * 4, vocab_size=1000)
+    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: Counting())
+    compiled = Sampler(seed=11)(logits, info).next_token_ids
+    assert calls == [1]
+    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: None)
+    assert Sampler(seed=11)(logits, info).next_token_ids == compiled
+    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: Counting())
+    top_p = build([SamplingParams(temperature=0.9, top_p=0.9)] * 4, vocab_size=1000)
+    Sampler(seed=11)(logits, top_p)
+    assert calls == [1]

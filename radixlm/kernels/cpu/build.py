@@ -123,7 +123,7 @@ def load_op(verbose: bool = False) -> Any:
     `fused.py`); `pin_threads`, `release_thread_pools` (`threads.cpp`); `decoder_stack`
     (`decoder.cpp`); `int4_dequantize_t` (`quant_ops.cpp`);
     `int4_g32_mm` (`int4_gemm.cpp`); `pack_bf16_linear`, `linear_bf16` (`linear_bf16.cpp`);
-    `apply_token_bitmask_`, `argmax_rows`, `redraw_row_` (`sampling_ops.cpp`)."""
+    `apply_token_bitmask_`, `argmax_rows`, `redraw_row_`, `sample_rows` (`sampling_ops.cpp`)."""
     global _op, _error
     with _lock:
         if _op is not None or _error is not None:

@@ -19,7 +19,17 @@
 // t whose running sum exceeds u * total, inverse-CDF in vocabulary order as `pick`); -1 when no
 // score is left or the mass left is under min_mass. One pass zeroes and sums blocks of 256, a
 // second walks the block sums and then one block: ~10 us a row against ~130 us of torch ops.
+//
+// sample_rows(x, temps, u, probs) -> int64 [R]: temperature sampling of rows without min-p /
+// top-k / top-p (radixlm.runtime.sampler.Sampler._sample; the torch ops there are the twin):
+// probs[r] = softmax(x[r] / temps[r]) (a probability under e^-87 of the largest is 0, so a
+// masked -inf logit is never drawn) and the first token whose running mass exceeds
+// u[r] * total (inverse-CDF in vocabulary order, as `pick`). Three passes over a row (max,
+// exp + block sums, the walk) instead of torch's six; rows in parallel.
 
+#pragma GCC optimize("fp-contract=off")  // vec.h's numerics
+
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -33,6 +43,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "vec.h"
 
 namespace {
 
@@ -182,6 +194,8 @@ void zero_and_sum(float* p, const L* lg, int64_t V, std::vector<double>& sums) {
   }
 }
 
+int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double target);
+
 template <typename L>
 int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass) {
   if (greedy) {
@@ -201,25 +215,7 @@ int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, doub
   double total = 0.0;
   for (double s : sums) total += s;
   if (!(total >= min_mass)) return -1;
-  const double target = u * total;
-  double run = 0.0;
-  int64_t last = -1;  // the last token with mass (rounding can put target at total)
-  for (int64_t b = 0; b < static_cast<int64_t>(sums.size()); ++b) {
-    if (sums[b] > 0) last = b;
-    if (run + sums[b] <= target) {
-      run += sums[b];
-      continue;
-    }
-    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
-    for (int64_t t = lo; t < hi; ++t) {
-      run += p[t];
-      if (run > target && p[t] > 0) return t;
-    }
-  }
-  if (last < 0) return -1;
-  for (int64_t t = std::min(V, (last + 1) * kRedrawBlock) - 1; t >= last * kRedrawBlock; --t)
-    if (p[t] > 0) return t;
-  return -1;
+  return walk(p, V, sums, u * total);
 }
 
 int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, double u,
@@ -238,6 +234,91 @@ int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, do
   TORCH_CHECK(false, "logits must be float32 or bfloat16");
 }
 
+// The first t with running mass > target over p (block sums given), else the last t with mass.
+int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double target) {
+  double run = 0.0;
+  int64_t last = -1;
+  for (int64_t b = 0; b < static_cast<int64_t>(sums.size()); ++b) {
+    if (sums[b] > 0) last = b;
+    if (run + sums[b] <= target) {
+      run += sums[b];
+      continue;
+    }
+    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    for (int64_t t = lo; t < hi; ++t) {
+      run += p[t];
+      if (run > target && p[t] > 0) return t;
+    }
+  }
+  if (last < 0) return -1;
+  for (int64_t t = std::min(V, (last + 1) * kRedrawBlock) - 1; t >= last * kRedrawBlock; --t)
+    if (p[t] > 0) return t;
+  return -1;
+}
+
+int64_t sample_row(const float* x, int64_t V, float temp, double u, float* p) {
+  vf mx = splat(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + W <= V; i += W) {
+    const vf v = load_v(x + i);
+    mx = v > mx ? v : mx;
+  }
+  float m = mx[0];
+  for (int k = 1; k < W; ++k) m = std::max(m, mx[k]);
+  for (; i < V; ++i) m = std::max(m, x[i]);
+  if (!(m > -std::numeric_limits<float>::infinity())) return -1;  // nothing allowed (or NaN)
+  const float inv = 1.f / temp;
+  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
+  std::vector<double> sums(nb, 0.0);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    vf acc{};
+    for (int64_t t = lo; t < hi; t += W) {
+      const int64_t n = std::min<int64_t>(W, hi - t);
+      const vf d = (load_v(x + t, n) - m) * inv;
+      vf e = exp_v(d);
+      e = d < -87.33654f ? splat(0.f) : e;  // -inf and what fp32's exp would flush
+      if (n < W)
+        for (int64_t k = n; k < W; ++k) e[k] = 0.f;
+      store_v(p + t, e, n);
+      acc += e;
+    }
+    double s = 0.0;
+    for (int k = 0; k < W; ++k) s += acc[k];
+    sums[b] = s;
+  }
+  double total = 0.0;
+  for (double s : sums) total += s;
+  return walk(p, V, sums, u * total);
+}
+
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& u,
+                       const at::Tensor& probs) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "x must be a float32 [R, V] with contiguous rows");
+  const int64_t R = x.size(0), V = x.size(1);
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.is_contiguous() && temps.numel() == R &&
+                  u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() == R,
+              "temps and u must be contiguous float32 [R]");
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.is_contiguous() &&
+                  probs.dim() == 2 && probs.size(0) == R && probs.size(1) == V,
+              "probs must be a contiguous float32 [R, V]");
+  TORCH_CHECK(V > 0, "empty rows");
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* tp = temps.data_ptr<float>();
+  const float* up = u.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      o[r] = sample_row(xp + r * xs, V, tp[r], up[r], pp + r * V);
+  });
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(o[r] >= 0, "row ", r, " allows no token");
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
@@ -245,10 +326,12 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
       "redraw_row_(Tensor(a!) values, Tensor logits, bool greedy, float u, float min_mass) -> int");
+  m.def("sample_rows(Tensor x, Tensor temps, Tensor u, Tensor(a!) probs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("redraw_row_", &redraw_row_);
+  m.impl("sample_rows", &sample_rows);
 }
