@@ -6,12 +6,13 @@ twins, A/B in one process, alternated every iteration.
 
 - `sampler`: `Sampler.__call__` on `--rows` rows of SmolLM2's 49152 logits (float32): greedy,
   temperature 0.8 (the compiled `sample_rows` vs torch's divide / softmax / cumsum / search),
-  temperature with top-p 0.95 (torch in both: the reference for what a filter costs);
+  temperature with top-p 0.95 (`sample_rows` vs torch's top-k candidates or full sort; these
+  logits are flat, the nucleus is most of the vocabulary: torch sorts the whole row);
 - `redraw`: one verifier redraw of a row after a refused token (`Sampler.redraw`, the compiled
   `redraw_row_` vs its torch twin);
 - `decode`: the real default model in process (`Engine`, bf16), `--rows` requests decoding
-  `--decode-tokens` tokens at temperature 0.8 (EOS ignored), output tok/s with the compiled
-  sampler vs the torch one, runs alternated (3 each).
+  `--decode-tokens` tokens at temperature 0.8, alone, with top-p 0.95 and with top-k 50 (EOS
+  ignored), output tok/s with the compiled sampler vs the torch one, runs alternated (3 each).
 
 Prints the CPU flags and the load average; medians; asserts nothing on timings.
 """
@@ -96,14 +97,22 @@ def sampler_cases(rows: int, iters: int) -> list[dict[str, object]]:
     return out
 
 
-def decode_case(rows: int, tokens: int, threads: int) -> dict[str, object]:
+def decode_cases(rows: int, tokens: int, threads: int) -> list[dict[str, object]]:
     from radixlm import Engine
 
     eng = Engine(dtype="bfloat16", num_threads=threads)
+    out = [decode_case(eng, rows, tokens, {"temperature": 0.8})]
+    out.append(decode_case(eng, rows, tokens, {"temperature": 0.8, "top_p": 0.95}))
+    out.append(decode_case(eng, rows, tokens, {"temperature": 0.8, "top_k": 50}))
+    eng.shutdown()
+    return out
+
+
+def decode_case(eng, rows: int, tokens: int, sampling: dict[str, float]) -> dict[str, object]:
     prompts = [f"Write a long story about a {w} who travels." for w in
                ("cat", "dog", "robot", "king", "river", "pilot", "tree", "baker")]  # fmt: skip
     prompts = (prompts * rows)[:rows]
-    params = SamplingParams(max_new_tokens=tokens, temperature=0.8, ignore_eos=True, seed=1)
+    params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, seed=1, **sampling)
 
     def run() -> float:
         eng.flush_cache()
@@ -118,9 +127,9 @@ def decode_case(rows: int, tokens: int, threads: int) -> dict[str, object]:
         compiled.append(run())
         with _TorchOnly():
             twin.append(run())
-    eng.shutdown()
+    name = ", ".join(f"{k} {v}" for k, v in sampling.items())
     return {
-        "case": "decode tok/s, temperature 0.8",
+        "case": f"decode tok/s, {name}",
         "rows": rows,
         "compiled_tok_s": statistics.median(compiled),
         "torch_tok_s": statistics.median(twin),
@@ -143,12 +152,11 @@ def main() -> None:
         print(f"{r['case']:32s} rows {r['rows']}: compiled {r['compiled_ms']:.3f} ms, "
               f"torch {r['torch_ms']:.3f} ms ({ratio:.1f}x)")  # fmt: skip
     if args.decode_tokens > 0:
-        d = decode_case(args.rows, args.decode_tokens, args.threads)
-        print(
-            f"{d['case']} at batch {d['rows']}: compiled {d['compiled_tok_s']:.1f}, "
-            f"torch {d['torch_tok_s']:.1f} ({d['compiled_tok_s'] / d['torch_tok_s']:.2f}x)"
-        )
-        results.append(d)
+        for d in decode_cases(args.rows, args.decode_tokens, args.threads):
+            ratio = d["compiled_tok_s"] / d["torch_tok_s"]
+            print(f"{d['case']} at batch {d['rows']}: compiled {d['compiled_tok_s']:.1f}, "
+                  f"torch {d['torch_tok_s']:.1f} ({ratio:.2f}x)")  # fmt: skip
+            results.append(d)
     print("load average at end:", os.getloadavg())
     if args.out:
         args.out.write_text(json.dumps({"cpu_flags": cpu_flags(), "threads": args.threads,

@@ -469,20 +469,22 @@ class Sampler:
 
     def _sample(self, x: Tensor, info: SamplingBatchInfo, rows: list[int]) -> tuple[Tensor, Tensor]:
         """Sample rows ``rows`` of the batch; ``x`` ``[R, V]`` holds exactly those rows.
-        Returns the tokens ``[R]`` and the probabilities they were drawn from ``[R, V]``."""
+        Returns the tokens ``[R]`` and the probabilities they were drawn from ``[R, V]`` (those
+        of a row with a filter unnormalized: only ``keep`` reads them, for unfiltered rows)."""
         idx = torch.tensor(rows, device=x.device) if len(rows) < info.batch_size else None
 
         def sel(t: Tensor) -> Tensor:
             return t if idx is None else t[idx]
 
-        op = None if info.need_min_p or info.need_top_k_top_p else _cpu_op(x)
+        op = _cpu_op(x)
         if op is not None and x.dtype == torch.float32 and x.stride(-1) == 1:
-            # Temperature alone: the compiled op, three passes over a row (torch's ops below, the
-            # twin, take six); the same uniforms in the same order.
+            # The compiled op (torch's ops below are its twin), the same uniforms in the same
+            # order: a few passes over a row, no sort of the vocabulary.
             probs = torch.empty(x.shape, dtype=torch.float32, device=x.device)  # [R, V]
+            filters = [sel(t).contiguous() for t in (info.top_ks, info.top_ps, info.min_ps)]
             temps = sel(info.temperatures).contiguous()  # [R]
             u = self._uniforms(info, rows, x.device)  # [R]
-            return op.sample_rows(x, temps, u, probs), probs
+            return op.sample_rows(x, temps, *filters, u, probs), probs
         x = x / sel(info.temperatures)[:, None]  # [R, V]
         if info.need_min_p:
             x = apply_min_p(x, sel(info.min_ps))

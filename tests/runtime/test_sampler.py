@@ -507,10 +507,11 @@ def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
     x = torch.randn(rows, vocab + 3, generator=gen)[:, :vocab] * 4  # rows vocab + 3 apart
     x[:, 1::3] = float("-inf")
     temps = torch.tensor([0.3, 0.7, 1.0, 1.5, 2.0, 0.05])
+    off = (torch.full((rows,), vocab), torch.ones(rows), torch.zeros(rows))  # no filter
     for _ in range(20):
         u = torch.rand(rows, generator=gen)
         probs = torch.empty(rows, vocab)
-        tokens = op.sample_rows(x, temps, u, probs)
+        tokens = op.sample_rows(x, temps, *off, u, probs)
         want_p = (x / temps[:, None]).softmax(-1)
         # rtol: at T = 0.05 torch's x / T (~330) is rounded before the max is subtracted
         assert torch.allclose(probs / probs.sum(-1, keepdim=True), want_p, atol=1e-7, rtol=1e-4)
@@ -522,14 +523,13 @@ def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
             if t != w:  # only at a boundary of the cdf
                 assert abs(float(cdf[r, min(t, w)]) - float(u[r]) * float(cdf[r, -1])) < 1e-5
     with pytest.raises(RuntimeError, match="allows no token"):
-        op.sample_rows(torch.full((1, vocab), float("-inf")), temps[:1], u[:1], probs[:1])
+        none = torch.full((1, vocab), float("-inf"))
+        op.sample_rows(none, temps[:1], *[f[:1] for f in off], u[:1], probs[:1])
 
 
-def test_sampler_takes_the_compiled_op_for_temperature_rows(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Rows with a temperature and no filter go through ``sample_rows`` on CPU (the same tokens
-    for the same seed as the torch ops, a boundary aside); a batch with top-p does not."""
+def test_sampler_takes_the_compiled_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled rows go through ``sample_rows`` on CPU, with or without filters, and give the
+    torch ops' tokens for the same seed."""
     from radixlm.kernels.cpu.build import load_op
 
     op = load_op()
@@ -544,13 +544,60 @@ def test_sampler_takes_the_compiled_op_for_temperature_rows(
     import radixlm.runtime.sampler as sampler_mod
 
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 3
-    info = build([SamplingParams(temperature=0.9)] * 4, vocab_size=1000)
-    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: Counting())
-    compiled = Sampler(seed=11)(logits, info).next_token_ids
-    assert calls == [1]
-    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: None)
-    assert Sampler(seed=11)(logits, info).next_token_ids == compiled
-    monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: Counting())
-    top_p = build([SamplingParams(temperature=0.9, top_p=0.9)] * 4, vocab_size=1000)
-    Sampler(seed=11)(logits, top_p)
-    assert calls == [1]
+    for n, params in enumerate(
+        [SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.9, top_k=20)]
+    ):
+        info = build([params] * 4, vocab_size=1000)
+        monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: Counting())
+        compiled = Sampler(seed=11)(logits, info).next_token_ids
+        assert calls == [1] * (n + 1)
+        monkeypatch.setattr(sampler_mod, "_cpu_op", lambda x: None)
+        assert Sampler(seed=11)(logits, info).next_token_ids == compiled
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 49152])
+@pytest.mark.parametrize("spread", [1.0, 4.0])
+def test_sample_rows_filters_keep_what_the_torch_filters_keep(vocab: int, spread: float) -> None:
+    """min-p, top-k and top-p in the compiled sampler keep exactly the tokens
+    ``filter_logits`` keeps (a stable descending sort's rule), ties and a row with few allowed
+    tokens included, and draw what ``pick`` draws on the filtered softmax for the same uniform
+    (a boundary of the cdf aside)."""
+    from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import pick
+
+    op = load_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(vocab + int(spread))
+    cases = [  # (top_k, top_p, min_p, temperature)
+        (vocab, 0.9, 0.0, 1.0), (vocab, 0.5, 0.0, 0.7), (50, 1.0, 0.0, 1.0), (5, 0.8, 0.0, 1.2),
+        (vocab, 1.0, 0.05, 1.0), (40, 0.95, 0.02, 0.8), (1, 1.0, 0.0, 1.0), (vocab, 1e-6, 0.0, 1.0),
+    ]  # fmt: skip
+    rows = len(cases)
+    x = (torch.randn(rows, vocab, generator=gen) * spread).round(decimals=1)  # ties
+    x[3, : vocab // 2] = float("-inf")  # few allowed
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for k, p, m, t in cases]
+    info = build(params, vocab_size=vocab)
+    want_logits = filter_logits(x / info.temperatures[:, None], info)  # [R, V]
+    want_p = want_logits.softmax(-1)
+    for _ in range(10):
+        u = torch.rand(rows, generator=gen)
+        probs = torch.empty(rows, vocab)
+        tokens = op.sample_rows(
+            x, info.temperatures, info.top_ks, info.top_ps, info.min_ps, u, probs
+        )
+        got = probs / probs.sum(-1, keepdim=True)
+        # The same number kept; the same tokens but among those tied at the last kept value
+        # (torch.topk, the reference's first candidates, orders ties as it likes).
+        assert torch.equal((got > 0).sum(-1), (want_p > 0).sum(-1))
+        last = want_logits.masked_fill(want_p == 0, float("inf")).amin(-1, keepdim=True)
+        scaled = x / info.temperatures[:, None]
+        tied = scaled == last  # [R, V]
+        assert torch.equal((got > 0) & ~tied, (want_p > 0) & ~tied)
+        assert torch.allclose(got[~tied], want_p[~tied], atol=1e-6, rtol=1e-4)
+        want = pick(want_p, u)
+        cdf = want_p.double().cumsum(-1)
+        for r in range(rows):
+            t, w = int(tokens[r]), int(want[r])
+            assert got[r, t] > 0
+            if t != w and not bool(tied[r].any()):  # a boundary of the cdf
+                assert abs(float(cdf[r, min(t, w)]) - float(u[r]) * float(cdf[r, -1])) < 1e-5

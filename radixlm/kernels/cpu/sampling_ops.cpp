@@ -20,12 +20,14 @@
 // score is left or the mass left is under min_mass. One pass zeroes and sums blocks of 256, a
 // second walks the block sums and then one block: ~10 us a row against ~130 us of torch ops.
 //
-// sample_rows(x, temps, u, probs) -> int64 [R]: temperature sampling of rows without min-p /
-// top-k / top-p (radixlm.runtime.sampler.Sampler._sample; the torch ops there are the twin):
-// probs[r] = softmax(x[r] / temps[r]) (a probability under e^-87 of the largest is 0, so a
-// masked -inf logit is never drawn) and the first token whose running mass exceeds
-// u[r] * total (inverse-CDF in vocabulary order, as `pick`). Three passes over a row (max,
-// exp + block sums, the walk) instead of torch's six; rows in parallel.
+// sample_rows(x, temps, top_ks, top_ps, min_ps, u, probs) -> int64 [R]: the sampled rows of
+// radixlm.runtime.sampler.Sampler._sample (its torch ops are the twin): probs[r] =
+// softmax(x[r] / temps[r]) (a probability under e^-87 of the largest is 0, so a masked -inf
+// logit is never drawn), min-p, top-k then top-p (`apply_top_k_top_p`'s rule; only the
+// tokens that can be kept are sorted, found by a histogram of the probabilities), unnormalized,
+// and the first token whose running mass exceeds u[r] * total (inverse-CDF in vocabulary order,
+// as `pick`). A row without filters takes three passes (max, exp, the walk) instead of torch's
+// six; one with top-p or top-k a few more instead of torch's top-k candidates or full sort.
 
 #pragma GCC optimize("fp-contract=off")  // vec.h's numerics
 
@@ -35,8 +37,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -256,7 +261,95 @@ int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double 
   return -1;
 }
 
-int64_t sample_row(const float* x, int64_t V, float temp, double u, float* p) {
+// Block sums of p (double) into sums; returns their total.
+double block_sums(const float* p, int64_t V, std::vector<double>& sums) {
+  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
+  sums.assign(nb, 0.0);
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    vf acc{};
+    int64_t t = lo;
+    for (; t + W <= hi; t += W) acc += load_v(p + t);
+    double s = 0.0;
+    for (int k = 0; k < W; ++k) s += acc[k];
+    for (; t < hi; ++t) s += p[t];
+    sums[b] = s;
+    total += s;
+  }
+  return total;
+}
+
+// The tokens top-k then top-p keep of p (mass `total`, unnormalized, no NaN), as
+// `apply_top_k_top_p` does on a full stable descending sort: the k most likely, then the
+// shortest prefix of those whose probability (over the top-k mass) before a token stays under
+// top_p; the first is always kept. Only the tokens that can be kept are sorted: a histogram of p
+// by its float bits (monotone for p >= 0) finds the buckets the kept tokens lie in. Zeroes the
+// rest of p in place.
+void keep_top_k_top_p(float* p, int64_t V, double total, int64_t k, double top_p) {
+  constexpr int kShift = 19;  // sign 0, exponent and 4 mantissa bits: 4096 buckets
+  constexpr int kBuckets = 1 << (31 - kShift);
+  std::vector<int64_t> count(kBuckets, 0);
+  std::vector<double> mass(kBuckets, 0.0);
+  for (int64_t t = 0; t < V; ++t) {
+    if (p[t] > 0) {
+      uint32_t bits;
+      std::memcpy(&bits, p + t, 4);
+      count[bits >> kShift] += 1;
+      mass[bits >> kShift] += p[t];
+    }
+  }
+  // The lowest bucket the kept tokens may reach: where the count reaches k (top-k) and where
+  // the mass reaches top_p of the total (the nucleus needs at most that: its norm, the top-k
+  // mass, is at most the total).
+  const bool by_k = k < V;
+  int floor_k = 0, floor_p = 0;
+  int64_t c = 0;
+  double mcum = 0.0;
+  bool found_k = !by_k, found_p = !(top_p < 1.0);
+  for (int bkt = kBuckets - 1; bkt >= 0 && !(found_k && found_p); --bkt) {
+    c += count[bkt];
+    mcum += mass[bkt];
+    if (!found_k && c >= k) found_k = true, floor_k = bkt;
+    if (!found_p && mcum >= top_p * total) found_p = true, floor_p = bkt;
+  }
+  // With top-k the whole top-k set is needed (its mass normalizes top-p).
+  const int lowest = by_k ? floor_k : floor_p;
+  std::vector<std::pair<float, int64_t>> cand;
+  for (int64_t t = 0; t < V; ++t) {
+    if (p[t] > 0) {
+      uint32_t bits;
+      std::memcpy(&bits, p + t, 4);
+      if (static_cast<int>(bits >> kShift) >= lowest) cand.emplace_back(p[t], t);
+    }
+  }
+  std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  const int64_t n = static_cast<int64_t>(cand.size());
+  int64_t kept = std::min<int64_t>(n, by_k ? k : n);
+  if (top_p < 1.0) {
+    double norm = 0.0;
+    for (int64_t j = 0; j < kept; ++j) norm += cand[j].first;
+    norm = by_k ? norm : total;  // the mass of the top-k set when it is known, else the row's
+    double before = 0.0;
+    int64_t j = 0;
+    for (; j < kept; ++j) {
+      if (j > 0 && before / norm >= top_p) break;
+      before += cand[j].first;
+    }
+    kept = std::max<int64_t>(j, 1);
+  }
+  std::vector<uint8_t> keep(V, 0);
+  for (int64_t j = 0; j < kept; ++j) keep[cand[j].second] = 1;
+  for (int64_t t = 0; t < V; ++t)
+    if (!keep[t]) p[t] = 0.f;
+}
+
+// One row: p = exp((x - max) / T) (0 under e^-87 of the max: -inf never drawn), min-p, top-k /
+// top-p, then the inverse-CDF walk at u of what is left. -1: nothing allowed.
+int64_t sample_row(const float* x, int64_t V, float temp, int64_t k, float top_p, float min_p,
+                   double u, float* p) {
   vf mx = splat(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + W <= V; i += W) {
@@ -264,42 +357,39 @@ int64_t sample_row(const float* x, int64_t V, float temp, double u, float* p) {
     mx = v > mx ? v : mx;
   }
   float m = mx[0];
-  for (int k = 1; k < W; ++k) m = std::max(m, mx[k]);
+  for (int j = 1; j < W; ++j) m = std::max(m, mx[j]);
   for (; i < V; ++i) m = std::max(m, x[i]);
   if (!(m > -std::numeric_limits<float>::infinity())) return -1;  // nothing allowed (or NaN)
   const float inv = 1.f / temp;
-  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
-  std::vector<double> sums(nb, 0.0);
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
-    vf acc{};
-    for (int64_t t = lo; t < hi; t += W) {
-      const int64_t n = std::min<int64_t>(W, hi - t);
-      const vf d = (load_v(x + t, n) - m) * inv;
-      vf e = exp_v(d);
-      e = d < -87.33654f ? splat(0.f) : e;  // -inf and what fp32's exp would flush
-      if (n < W)
-        for (int64_t k = n; k < W; ++k) e[k] = 0.f;
-      store_v(p + t, e, n);
-      acc += e;
-    }
-    double s = 0.0;
-    for (int k = 0; k < W; ++k) s += acc[k];
-    sums[b] = s;
+  const float floor = min_p > 0 ? min_p : 0.f;  // min-p: p < min_p * max (the max is e^0 = 1)
+  for (int64_t t = 0; t < V; t += W) {
+    const int64_t n = std::min<int64_t>(W, V - t);
+    const vf d = (load_v(x + t, n) - m) * inv;
+    vf e = exp_v(d);
+    e = d < -87.33654f ? splat(0.f) : e;  // -inf and what fp32's exp would flush
+    e = e < floor ? splat(0.f) : e;
+    store_v(p + t, e, n);
   }
-  double total = 0.0;
-  for (double s : sums) total += s;
+  std::vector<double> sums;
+  double total = block_sums(p, V, sums);
+  if (k < V || top_p < 1.f) {
+    keep_top_k_top_p(p, V, total, k, top_p);
+    total = block_sums(p, V, sums);
+  }
   return walk(p, V, sums, u * total);
 }
 
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& u,
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& top_ks,
+                       const at::Tensor& top_ps, const at::Tensor& min_ps, const at::Tensor& u,
                        const at::Tensor& probs) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [R, V] with contiguous rows");
   const int64_t R = x.size(0), V = x.size(1);
-  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.is_contiguous() && temps.numel() == R &&
-                  u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() == R,
-              "temps and u must be contiguous float32 [R]");
+  for (const at::Tensor* t : {&temps, &top_ps, &min_ps, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == R,
+                "temps, top_ps, min_ps and u must be contiguous float32 [R]");
+  TORCH_CHECK(top_ks.scalar_type() == at::kLong && top_ks.is_contiguous() && top_ks.numel() == R,
+              "top_ks must be a contiguous int64 [R]");
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.is_contiguous() &&
                   probs.dim() == 2 && probs.size(0) == R && probs.size(1) == V,
               "probs must be a contiguous float32 [R, V]");
@@ -307,13 +397,15 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::T
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
-  const float* tp = temps.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
+  const float *tp = temps.data_ptr<float>(), *pp_ = top_ps.data_ptr<float>();
+  const float *mp = min_ps.data_ptr<float>(), *up = u.data_ptr<float>();
+  const int64_t* kp = top_ks.data_ptr<int64_t>();
   float* pp = probs.data_ptr<float>();
   const int64_t xs = x.stride(0);
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      o[r] = sample_row(xp + r * xs, V, tp[r], up[r], pp + r * V);
+      o[r] = sample_row(xp + r * xs, V, tp[r], kp[r] < 1 ? V : std::min(kp[r], V), pp_[r], mp[r],
+                        up[r], pp + r * V);
   });
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(o[r] >= 0, "row ", r, " allows no token");
   return out;
@@ -326,7 +418,9 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
       "redraw_row_(Tensor(a!) values, Tensor logits, bool greedy, float u, float min_mass) -> int");
-  m.def("sample_rows(Tensor x, Tensor temps, Tensor u, Tensor(a!) probs) -> Tensor");
+  m.def(
+      "sample_rows(Tensor x, Tensor temps, Tensor top_ks, Tensor top_ps, Tensor min_ps, Tensor u, "
+      "Tensor(a!) probs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
