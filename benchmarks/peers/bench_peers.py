@@ -29,7 +29,8 @@ as a failed run. vLLM's CPU build lives in its own venv
 
 Workloads (the same seeded text prompts for every system; words drawn from the model's own
 vocabulary, `Ġword` or SentencePiece `▁word`, lengths counted with its tokenizer), all
-streamed `/v1/completions` with `ignore_eos`, temperature 0 and `stream_options.include_usage`,
+streamed `/v1/completions` with `ignore_eos`, temperature 0 (else `--temperature` and
+`--top-p`: the users' sampled setting) and `stream_options.include_usage`,
 sent by closed-loop clients (each of C clients sends its next request when its previous one
 ends):
 
@@ -224,12 +225,16 @@ def summarize(
     )
 
 
+# What every request samples with (`--temperature`, `--top-p`): greedy unless asked.
+SAMPLING: dict[str, float] = {"temperature": 0.0}
+
+
 def _body(prompt: str, max_tokens: int) -> dict[str, object]:
     return {
         "model": SERVED_NAME,
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0.0,
+        **SAMPLING,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -718,8 +723,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workloads", default=None, help="comma list (default: the model's)")
     p.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, help="per request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/peers.json"))
     args = p.parse_args(argv)
+    SAMPLING["temperature"] = args.temperature
+    if args.top_p < 1.0:
+        SAMPLING["top_p"] = args.top_p
     args.model_label, systems, workloads = MODELS[args.model]
     args.systems = args.systems or systems
     args.workloads = args.workloads or workloads
