@@ -225,10 +225,10 @@ class RowDraw:
     """What one row's token was drawn from, kept for redraws (``Sampler.redraw``).
 
     ``greedy``: ``values`` are the row's scores after bias and penalties (the token was their
-    argmax); else ``values`` are its probabilities (temperature applied, no min-p / top-k /
-    top-p on the row: those filters depend on which tokens remain, so a row with one is not
-    kept). Either way, removing tokens from ``values`` and drawing again is exactly the
-    sampler's draw on the row's logits with those tokens at -inf.
+    argmax); else ``values`` are its probabilities, at any positive scale (temperature
+    applied, no min-p / top-k / top-p on the row: those filters depend on which tokens remain,
+    so a row with one is not kept). Either way, removing tokens from ``values`` and drawing
+    again is exactly the sampler's draw on the row's logits with those tokens at -inf.
     """
 
     greedy: bool
