@@ -484,7 +484,11 @@ class Sampler:
             filters = [sel(t).contiguous() for t in (info.top_ks, info.top_ps, info.min_ps)]
             temps = sel(info.temperatures).contiguous()  # [R]
             u = self._uniforms(info, rows, x.device)  # [R]
-            return op.sample_rows(x, temps, *filters, u, probs), probs
+            tokens = op.sample_rows(x, temps, *filters, u, probs)  # [R]; -1: no token allowed
+            if not bool((tokens < 0).any()):
+                return tokens, probs
+            # A row with nothing allowed (the callers' invariant broken, or NaN logits): the
+            # torch ops, as without the compiled op, rather than an error for the whole batch.
         x = x / sel(info.temperatures)[:, None]  # [R, V]
         if info.need_min_p:
             x = apply_min_p(x, sel(info.min_ps))

@@ -522,9 +522,8 @@ def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
             t, w = int(tokens[r]), int(want[r])
             if t != w:  # only at a boundary of the cdf
                 assert abs(float(cdf[r, min(t, w)]) - float(u[r]) * float(cdf[r, -1])) < 1e-5
-    with pytest.raises(RuntimeError, match="allows no token"):
-        none = torch.full((1, vocab), float("-inf"))
-        op.sample_rows(none, temps[:1], *[f[:1] for f in off], u[:1], probs[:1])
+    none = torch.full((1, vocab), float("-inf"))
+    assert op.sample_rows(none, temps[:1], *[f[:1] for f in off], u[:1], probs[:1]).tolist() == [-1]
 
 
 def test_sampler_takes_the_compiled_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -601,3 +600,14 @@ def test_sample_rows_filters_keep_what_the_torch_filters_keep(vocab: int, spread
             assert got[r, t] > 0
             if t != w and not bool(tied[r].any()):  # a boundary of the cdf
                 assert abs(float(cdf[r, min(t, w)]) - float(u[r]) * float(cdf[r, -1])) < 1e-5
+
+
+def test_a_row_with_no_token_allowed_does_not_fail_the_batch() -> None:
+    """A sampled row whose logits are all -inf (the callers' invariant broken) leaves the
+    compiled op to the torch ops, as without it: the other rows are sampled, nothing raises."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(2))
+    logits[1] = float("-inf")
+    logits[2, 5:] = float("-inf")
+    info = build([SamplingParams(temperature=0.7)] * 3, vocab_size=300)
+    tokens = Sampler(seed=4)(logits, info).next_token_ids
+    assert tokens[2] < 5 and 0 <= tokens[0] < 300
