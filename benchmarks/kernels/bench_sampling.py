@@ -34,7 +34,8 @@ from bench_cpu_forward import cpu_flags  # noqa: E402
 from bench_huge_pages import ab  # noqa: E402
 
 import radixlm.runtime.sampler as sampler_mod  # noqa: E402
-from radixlm.runtime.sampler import RowDraw, Sampler, SamplingBatchInfo  # noqa: E402
+from radixlm.runtime.sampler import RowDraw, Sampler  # noqa: E402
+from radixlm.runtime.sampling_batch import SamplingBatchInfo  # noqa: E402
 from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 
 V = 49152

@@ -23,9 +23,8 @@ from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.batch import SampleError, ScheduledBatch, StepOutput
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.request import Request, TokenLogprob
-from radixlm.runtime.sampler import (
-    RowDraw,
-    Sampler,
+from radixlm.runtime.sampler import RowDraw, Sampler
+from radixlm.runtime.sampling_batch import (
     SamplingBatchInfo,
     make_generator,
     min_tokens_suppress_ids,

@@ -12,7 +12,8 @@ from radixlm.cli import add_engine_args, engine_kwargs
 from radixlm.config import EngineConfig
 from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
 from radixlm.runtime.grammar.constraint import Constraint
-from radixlm.runtime.sampler import Sampler, SamplingBatchInfo
+from radixlm.runtime.sampler import Sampler
+from radixlm.runtime.sampling_batch import SamplingBatchInfo
 from radixlm.runtime.sampling_params import SamplingParams
 
 

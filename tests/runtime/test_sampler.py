@@ -7,9 +7,11 @@ import torch
 
 from radixlm.runtime.sampler import (
     Sampler,
-    SamplingBatchInfo,
     apply_penalties,
     filter_logits,
+)
+from radixlm.runtime.sampling_batch import (
+    SamplingBatchInfo,
     make_generator,
     min_tokens_suppress_ids,
 )

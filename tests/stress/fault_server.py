@@ -36,10 +36,10 @@ class InjectedThreadDeath(BaseException):
 
 def install() -> None:
     from radixlm.radix import RadixCache
-    from radixlm.runtime import constrained, detokenizer, model_runner, sampler, scheduler
+    from radixlm.runtime import constrained, detokenizer, model_runner, sampling_batch, scheduler
     from radixlm.runtime.grammar import auto_backend
 
-    build = sampler.SamplingBatchInfo.build.__func__
+    build = sampling_batch.SamplingBatchInfo.build.__func__
 
     def faulty_build(cls, params, *args, **kwargs):  # type: ignore[no-untyped-def]
         if any(p.seed == SAMPLE for p in params):
@@ -48,7 +48,7 @@ def install() -> None:
             time.sleep(0.05)
         return build(cls, params, *args, **kwargs)
 
-    sampler.SamplingBatchInfo.build = classmethod(faulty_build)  # type: ignore[method-assign]
+    sampling_batch.SamplingBatchInfo.build = classmethod(faulty_build)  # type: ignore[method-assign]
 
     advance = constrained.GrammarStep.advance
 

@@ -40,7 +40,8 @@ from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import PageTable, masked_rows, sampling_info
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
-from radixlm.runtime.sampler import Sampler, make_generator, pick
+from radixlm.runtime.sampler import Sampler, pick
+from radixlm.runtime.sampling_batch import make_generator
 from radixlm.runtime.scheduler.drafter import draft_token_ok
 
 # A seeded request's draft generator: its own stream, apart from the target's sampling.

@@ -24,7 +24,8 @@ from radixlm.runtime.core_factory import EngineParts
 from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import Executor
 from radixlm.runtime.request import Request, RequestStatus
-from radixlm.runtime.sampler import make_generator, pick
+from radixlm.runtime.sampler import pick
+from radixlm.runtime.sampling_batch import make_generator
 from radixlm.runtime.spec.acceptance import rejection_sample
 
 NEW = 24
