@@ -171,72 +171,37 @@ inline bool is_ninf(L v) {
 
 constexpr int64_t kRedrawBlock = 256;
 
-// values[t] = 0 where logits[t] is -inf; block sums of values (double) into sums.
+// p[t] = fill where logits[t] is -inf (a removed token).
 template <typename L>
-void zero_and_sum(float* p, const L* lg, int64_t V, std::vector<double>& sums) {
+void fill_removed(float* p, const L* lg, int64_t V, float fill) {
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 f = _mm512_set1_ps(fill);
+  for (; t + 16 <= V; t += 16)
+    _mm512_mask_storeu_ps(p + t, _mm512_cmp_ps_mask(load16(lg + t), ninf, _CMP_EQ_OQ), f);
+#endif
+  for (; t < V; ++t)
+    if (is_ninf(lg[t])) p[t] = fill;
+}
+
+// Block sums of p (double) into sums; returns their total.
+double block_sums(const float* p, int64_t V, std::vector<double>& sums) {
   const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
   sums.assign(nb, 0.0);
+  double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+    vf acc{};
     int64_t t = lo;
-    float acc = 0.f;
-#if defined(__AVX512F__)
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512 vacc = _mm512_setzero_ps();
-    for (; t + 16 <= hi; t += 16) {
-      const __mmask16 gone = _mm512_cmp_ps_mask(load16(lg + t), ninf, _CMP_EQ_OQ);
-      __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>(~gone), p + t);
-      _mm512_storeu_ps(p + t, v);
-      vacc = _mm512_add_ps(vacc, v);
-    }
-    acc = _mm512_reduce_add_ps(vacc);
-#endif
-    for (; t < hi; ++t) {
-      if (is_ninf(lg[t])) p[t] = 0.f;
-      acc += p[t];
-    }
-    sums[b] = acc;
+    for (; t + W <= hi; t += W) acc += load_v(p + t);
+    double s = 0.0;
+    for (int k = 0; k < W; ++k) s += acc[k];
+    for (; t < hi; ++t) s += p[t];
+    sums[b] = s;
+    total += s;
   }
-}
-
-int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double target);
-
-template <typename L>
-int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass) {
-  if (greedy) {
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (; t + 16 <= V; t += 16)
-      _mm512_mask_storeu_ps(p + t, _mm512_cmp_ps_mask(load16(lg + t), ninf, _CMP_EQ_OQ), ninf);
-#endif
-    for (; t < V; ++t)
-      if (is_ninf(lg[t])) p[t] = -std::numeric_limits<float>::infinity();
-    const int64_t best = argmax_row(p, V);
-    return is_ninf(p[best]) ? -1 : best;
-  }
-  std::vector<double> sums;
-  zero_and_sum(p, lg, V, sums);
-  double total = 0.0;
-  for (double s : sums) total += s;
-  if (!(total >= min_mass)) return -1;
-  return walk(p, V, sums, u * total);
-}
-
-int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, double u,
-                    double min_mass) {
-  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat,
-              "values must be a contiguous float32 [V]");
-  TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.size(0) == values.size(0),
-              "logits must be a contiguous [V] like values");
-  const int64_t V = values.size(0);
-  TORCH_CHECK(V > 0, "empty row");
-  float* p = values.data_ptr<float>();
-  if (logits.scalar_type() == at::kFloat)
-    return redraw_row(p, logits.data_ptr<float>(), V, greedy, u, min_mass);
-  if (logits.scalar_type() == at::kBFloat16)
-    return redraw_row(p, logits.data_ptr<c10::BFloat16>(), V, greedy, u, min_mass);
-  TORCH_CHECK(false, "logits must be float32 or bfloat16");
+  return total;
 }
 
 // The first t with running mass > target over p (block sums given), else the last t with mass.
@@ -261,24 +226,37 @@ int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double 
   return -1;
 }
 
-// Block sums of p (double) into sums; returns their total.
-double block_sums(const float* p, int64_t V, std::vector<double>& sums) {
-  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
-  sums.assign(nb, 0.0);
-  double total = 0.0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
-    vf acc{};
-    int64_t t = lo;
-    for (; t + W <= hi; t += W) acc += load_v(p + t);
-    double s = 0.0;
-    for (int k = 0; k < W; ++k) s += acc[k];
-    for (; t < hi; ++t) s += p[t];
-    sums[b] = s;
-    total += s;
+template <typename L>
+int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass) {
+  if (greedy) {
+    fill_removed(p, lg, V, -std::numeric_limits<float>::infinity());
+    const int64_t best = argmax_row(p, V);
+    return is_ninf(p[best]) ? -1 : best;
   }
-  return total;
+  fill_removed(p, lg, V, 0.f);
+  std::vector<double> sums;
+  const double total = block_sums(p, V, sums);
+  if (!(total >= min_mass)) return -1;
+  return walk(p, V, sums, u * total);
 }
+
+int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, double u,
+                    double min_mass) {
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat,
+              "values must be a contiguous float32 [V]");
+  TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.size(0) == values.size(0),
+              "logits must be a contiguous [V] like values");
+  const int64_t V = values.size(0);
+  TORCH_CHECK(V > 0, "empty row");
+  float* p = values.data_ptr<float>();
+  if (logits.scalar_type() == at::kFloat)
+    return redraw_row(p, logits.data_ptr<float>(), V, greedy, u, min_mass);
+  if (logits.scalar_type() == at::kBFloat16)
+    return redraw_row(p, logits.data_ptr<c10::BFloat16>(), V, greedy, u, min_mass);
+  TORCH_CHECK(false, "logits must be float32 or bfloat16");
+}
+
+
 
 // The tokens top-k then top-p keep of p (mass `total`, unnormalized, no NaN), as
 // `apply_top_k_top_p` does on a full stable descending sort: the k most likely, then the
