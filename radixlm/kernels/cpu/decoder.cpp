@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -101,42 +102,81 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
 
 }  // namespace
 
+// A model's constants of `decoder_stack`, gathered once (`radixlm_cpu::DecoderWeights`): a
+// forward passes this one object, not ~10 per-layer tensor lists. Each tensor of a list copied
+// for a call is a reference to a Python-owned weight, and dropping it when the op returns takes
+// the GIL (torch's PyObject preservation): ~300 GIL round trips a forward, each a wait while
+// another Python thread (the server's event loop) holds it. Held here, the references stay.
+struct DecoderWeights : torch::CustomClassHolder {
+  std::vector<at::Tensor> ln1, ln2, w_qkv, w_o, w_gate_up, w_down, k_bufs, v_bufs;
+  std::vector<std::optional<at::Tensor>> s_qkv, b_qkv, s_o, b_o, s_gate_up, b_gate_up, s_down,
+      b_down, packed;
+  at::Tensor cos, sin;
+  double eps, scale;
+  int64_t num_heads, num_kv_heads, head_dim, kv_layout;
+  std::vector<int64_t> out_features;
+
+  static std::vector<std::optional<at::Tensor>> opt(const c10::List<std::optional<at::Tensor>>& l) {
+    std::vector<std::optional<at::Tensor>> out;
+    out.reserve(l.size());
+    for (size_t i = 0; i < l.size(); ++i) out.push_back(l.get(i));
+    return out;
+  }
+
+  DecoderWeights(std::vector<at::Tensor> ln1_, std::vector<at::Tensor> ln2_,
+                 std::vector<at::Tensor> w_qkv_, c10::List<std::optional<at::Tensor>> s_qkv_,
+                 c10::List<std::optional<at::Tensor>> b_qkv_, std::vector<at::Tensor> w_o_,
+                 c10::List<std::optional<at::Tensor>> s_o_,
+                 c10::List<std::optional<at::Tensor>> b_o_, std::vector<at::Tensor> w_gate_up_,
+                 c10::List<std::optional<at::Tensor>> s_gate_up_,
+                 c10::List<std::optional<at::Tensor>> b_gate_up_,
+                 std::vector<at::Tensor> w_down_, c10::List<std::optional<at::Tensor>> s_down_,
+                 c10::List<std::optional<at::Tensor>> b_down_, std::vector<at::Tensor> k_bufs_,
+                 std::vector<at::Tensor> v_bufs_, at::Tensor cos_, at::Tensor sin_,
+                 c10::List<std::optional<at::Tensor>> packed_, std::vector<int64_t> out_features_,
+                 double eps_, double scale_, int64_t num_heads_, int64_t num_kv_heads_,
+                 int64_t head_dim_, int64_t kv_layout_)
+      : ln1(std::move(ln1_)), ln2(std::move(ln2_)), w_qkv(std::move(w_qkv_)),
+        w_o(std::move(w_o_)), w_gate_up(std::move(w_gate_up_)), w_down(std::move(w_down_)),
+        k_bufs(std::move(k_bufs_)), v_bufs(std::move(v_bufs_)), s_qkv(opt(s_qkv_)),
+        b_qkv(opt(b_qkv_)), s_o(opt(s_o_)), b_o(opt(b_o_)), s_gate_up(opt(s_gate_up_)),
+        b_gate_up(opt(b_gate_up_)), s_down(opt(s_down_)), b_down(opt(b_down_)),
+        packed(opt(packed_)), cos(std::move(cos_)), sin(std::move(sin_)), eps(eps_),
+        scale(scale_), num_heads(num_heads_), num_kv_heads(num_kv_heads_), head_dim(head_dim_),
+        kv_layout(kv_layout_), out_features(std::move(out_features_)) {
+    const size_t n = ln1.size();
+    TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n &&
+                    w_gate_up.size() == n && w_down.size() == n && k_bufs.size() == n &&
+                    v_bufs.size() == n && b_qkv.size() == n && b_o.size() == n &&
+                    b_gate_up.size() == n && b_down.size() == n && s_qkv.size() == n &&
+                    s_o.size() == n && s_gate_up.size() == n && s_down.size() == n,
+                "DecoderWeights: every per-layer list must have one entry per layer");
+    TORCH_CHECK(packed.empty() || packed.size() == 4 * n,
+                "DecoderWeights: packed holds 4 entries per layer (qkv, o, gate_up, down) or none");
+    TORCH_CHECK(out_features.size() == 4,
+                "DecoderWeights: out_features holds the qkv, o, intermediate and down widths");
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> decoder_stack(
+    const c10::intrusive_ptr<DecoderWeights>& weights,
     const at::Tensor& x_in,  // [T, H] embeddings
-    at::TensorList ln1, at::TensorList ln2,
-    at::TensorList w_qkv, const c10::List<std::optional<at::Tensor>>& s_qkv,
-    const c10::List<std::optional<at::Tensor>>& b_qkv,
-    at::TensorList w_o, const c10::List<std::optional<at::Tensor>>& s_o,
-    const c10::List<std::optional<at::Tensor>>& b_o,
-    at::TensorList w_gate_up, const c10::List<std::optional<at::Tensor>>& s_gate_up,
-    const c10::List<std::optional<at::Tensor>>& b_gate_up,
-    at::TensorList w_down, const c10::List<std::optional<at::Tensor>>& s_down,
-    const c10::List<std::optional<at::Tensor>>& b_down,
-    at::TensorList k_bufs, at::TensorList v_bufs,
-    double eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& slots, const at::Tensor& page_table, const at::Tensor& items,
-    const at::Tensor& item_rows, const at::Tensor& reduces, at::Tensor& part_o,
-    at::Tensor& part_lse, int64_t page_size, double scale, int64_t kv_layout,
-    const c10::List<std::optional<at::Tensor>>& packed, at::IntArrayRef out_features) {
-  const int64_t n = static_cast<int64_t>(ln1.size());
-  TORCH_CHECK(ln2.size() == n && w_qkv.size() == n && w_o.size() == n && w_gate_up.size() == n &&
-                  w_down.size() == n && k_bufs.size() == n && v_bufs.size() == n &&
-                  b_qkv.size() == n && b_o.size() == n && b_gate_up.size() == n &&
-                  b_down.size() == n && s_qkv.size() == n && s_o.size() == n &&
-                  s_gate_up.size() == n && s_down.size() == n,
-              "decoder_stack: every per-layer list must have one entry per layer");
-  TORCH_CHECK(packed.size() == 0 || packed.size() == 4 * n,
-              "decoder_stack: packed holds 4 entries per layer (qkv, o, gate_up, down) or none");
-  TORCH_CHECK(out_features.size() == 4,
-              "decoder_stack: out_features holds the qkv, o, intermediate and down widths");
+    const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& page_table,
+    const at::Tensor& items, const at::Tensor& item_rows, const at::Tensor& reduces,
+    at::Tensor& part_o, at::Tensor& part_lse, int64_t page_size) {
+  const DecoderWeights& W = *weights;
+  const int64_t n = static_cast<int64_t>(W.ln1.size());
   // (layer l, projection j): radixlm's packed bf16 weight, when there is one
-  auto pk = [&](int64_t l, int64_t j) -> std::optional<at::Tensor> {
-    return packed.size() ? packed.get(4 * l + j) : std::nullopt;
+  auto pk = [&](int64_t l, int64_t j) -> const std::optional<at::Tensor>& {
+    static const std::optional<at::Tensor> none;
+    return W.packed.empty() ? none : W.packed[4 * l + j];
   };
   // packed gate_up weights are packed gated (a Llama MLP's SiLU), of n_inter outputs
-  const int64_t n_qkv = out_features[0], n_o = out_features[1], n_inter = out_features[2],
-                n_down = out_features[3];
+  const int64_t n_qkv = W.out_features[0], n_o = W.out_features[1], n_inter = W.out_features[2],
+                n_down = W.out_features[3];
+  const int64_t num_heads = W.num_heads, num_kv_heads = W.num_kv_heads, head_dim = W.head_dim;
+  const int64_t kv_layout = W.kv_layout;
+  const double eps = W.eps;
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "decoder_stack: x must be [T, H]");
   const int64_t t = x_in.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
@@ -145,51 +185,55 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
     at::Tensor h;
     if (l == 0) {
       residual = x;  // the embeddings: a fresh tensor, updated in place from here on
-      h = rms_norm(x, ln1[l], eps);
+      h = rms_norm(x, W.ln1[l], eps);
     } else {
-      h = add_rms_norm(x, residual, ln1[l], eps);
+      h = add_rms_norm(x, residual, W.ln1[l], eps);
     }
     // [T, q + 2 kv]
-    at::Tensor qkv = layer_linear(h, w_qkv[l], s_qkv.get(l), b_qkv.get(l), pk(l, 0), n_qkv);
+    at::Tensor qkv = layer_linear(h, W.w_qkv[l], W.s_qkv[l], W.b_qkv[l], pk(l, 0), n_qkv);
     TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "decoder_stack: qkv width mismatch");
     at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
-    rope_(q, k, positions, cos, sin);
-    at::Tensor k_buf = k_bufs[l], v_buf = v_bufs[l];
+    rope_(q, k, positions, W.cos, W.sin);
+    at::Tensor k_buf = W.k_bufs[l], v_buf = W.v_bufs[l];
     store_kv(k_buf, v_buf, slots, k, v, kv_layout);
     at::Tensor qc = q.scalar_type() == k_buf.scalar_type() ? q : q.to(k_buf.scalar_type());
     at::Tensor attn = at::empty({t, num_heads, head_dim}, qc.options());
     paged_attention(qc, k_buf, v_buf, attn, page_table, items, item_rows, reduces, part_o,
-                    part_lse, page_size, scale, 0, kv_layout);
+                    part_lse, page_size, W.scale, 0, kv_layout);
     if (attn.scalar_type() != x.scalar_type()) attn = attn.to(x.scalar_type());
-    at::Tensor o = layer_linear(attn.view({t, q_size}), w_o[l], s_o.get(l), b_o.get(l), pk(l, 1),
-                                n_o);
-    h = add_rms_norm(o, residual, ln2[l], eps);
+    at::Tensor o =
+        layer_linear(attn.view({t, q_size}), W.w_o[l], W.s_o[l], W.b_o[l], pk(l, 1), n_o);
+    h = add_rms_norm(o, residual, W.ln2[l], eps);
     at::Tensor act;  // [T, I]
     if (pk(l, 2).has_value() && t <= linear_bf16_max_rows()) {
-      act = linear_bf16(h, *pk(l, 2), b_gate_up.get(l), n_inter, true);
+      act = linear_bf16(h, *pk(l, 2), W.b_gate_up[l], n_inter, true);
     } else {
       act = silu_and_mul(
-          layer_linear(h, w_gate_up[l], s_gate_up.get(l), b_gate_up.get(l), std::nullopt, 0));
+          layer_linear(h, W.w_gate_up[l], W.s_gate_up[l], W.b_gate_up[l], std::nullopt, 0));
     }
-    x = layer_linear(act, w_down[l], s_down.get(l), b_down.get(l), pk(l, 3),
-                     n_down);
+    x = layer_linear(act, W.w_down[l], W.s_down[l], W.b_down[l], pk(l, 3), n_down);
   }
   return {x, residual};
 }
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
+  m.class_<DecoderWeights>("DecoderWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
+                       std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+                       c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
+                       c10::List<std::optional<at::Tensor>>, c10::List<std::optional<at::Tensor>>,
+                       std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+                       c10::List<std::optional<at::Tensor>>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, at::Tensor, at::Tensor,
+                       c10::List<std::optional<at::Tensor>>, std::vector<int64_t>, double, double,
+                       int64_t, int64_t, int64_t, int64_t>());
   m.def(
-      "decoder_stack(Tensor x, Tensor[] ln1, Tensor[] ln2, Tensor[] w_qkv, Tensor?[] s_qkv, "
-      "Tensor?[] b_qkv, Tensor[] w_o, Tensor?[] s_o, Tensor?[] b_o, Tensor[] w_gate_up, "
-      "Tensor?[] s_gate_up, Tensor?[] b_gate_up, Tensor[] w_down, Tensor?[] s_down, "
-      "Tensor?[] b_down, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, float eps, int num_heads, "
-      "int num_kv_heads, int head_dim, Tensor positions, Tensor cos, Tensor sin, Tensor slots, "
-      "Tensor page_table, Tensor items, Tensor item_rows, Tensor reduces, Tensor(c!) part_o, "
-      "Tensor(d!) part_lse, int page_size, float scale, int kv_layout, Tensor?[] packed, "
-      "int[] out_features) -> "
-      "(Tensor, Tensor)");
+      "decoder_stack(__torch__.torch.classes.radixlm_cpu.DecoderWeights weights, Tensor x, "
+      "Tensor positions, Tensor slots, Tensor page_table, Tensor items, Tensor item_rows, "
+      "Tensor reduces, Tensor(a!) part_o, Tensor(b!) part_lse, int page_size) -> (Tensor, Tensor)");
 }
 
 // CatchAll: fp32 prepacked weights are MkldnnCPU tensors, bf16 ones plain CPU tensors.

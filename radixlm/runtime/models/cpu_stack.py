@@ -91,6 +91,19 @@ class CpuDecoderStack:
             raise ValueError("decoder_stack: packed gate_up projections must be packed gated")
         self.k_bufs = attn.kv_cache.k_buffers
         self.v_bufs = attn.kv_cache.v_buffers
+        w, s, b = self.weights, self.scales, self.biases
+        # The op's per-model constants in one C++ object, built once: a forward passes it
+        # instead of the per-layer lists (see `DecoderWeights` in decoder.cpp: no GIL taken
+        # while the op runs to drop references to these tensors). NOTE: it holds the KV
+        # buffers and rotary tables of now; neither is ever replaced.
+        self.held = torch.classes.radixlm_cpu.DecoderWeights(
+            self.ln1, self.ln2,
+            w["qkv"], s["qkv"], b["qkv"], w["o"], s["o"], b["o"],
+            w["gate_up"], s["gate_up"], b["gate_up"], w["down"], s["down"], b["down"],
+            self.k_bufs, self.v_bufs, self.rotary.cos, self.rotary.sin, self.packed,
+            self.out_features, self.eps, self.scale, self.num_heads, self.num_kv_heads,
+            self.head_dim, attn.kv_layout,
+        )  # fmt: skip
 
     def takes(self, num_tokens: int) -> bool:
         """Whether the op runs a forward of `num_tokens` rows (else the Python layers do)."""
@@ -126,32 +139,10 @@ class CpuDecoderStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, H] -> (x [T, H], residual [T, H])
         attn = self.attn
         part_o, part_lse = attn.partial_buffers(self.num_heads, self.head_dim)
-        w, s, b = self.weights, self.scales, self.biases
         return self.op.decoder_stack(
+            self.held,
             x,
-            self.ln1,
-            self.ln2,
-            w["qkv"],
-            s["qkv"],
-            b["qkv"],
-            w["o"],
-            s["o"],
-            b["o"],
-            w["gate_up"],
-            s["gate_up"],
-            b["gate_up"],
-            w["down"],
-            s["down"],
-            b["down"],
-            self.k_bufs,
-            self.v_bufs,
-            self.eps,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
             batch.positions,
-            self.rotary.cos,
-            self.rotary.sin,
             batch.out_cache_loc,
             attn.page_table,
             attn.plan.items,
@@ -160,8 +151,4 @@ class CpuDecoderStack:
             part_o,
             part_lse,
             batch.page_size,
-            self.scale,
-            attn.kv_layout,
-            self.packed,
-            self.out_features,
         )
