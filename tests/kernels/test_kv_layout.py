@@ -107,12 +107,16 @@ MIXED = [(0, 1), (17, 1), (0, 33), (48, 1), (5, 11), (130, 1), (64, 20), (0, 2),
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64), (12, 1, 32)], ids=str)
+@pytest.mark.parametrize(
+    "heads", [(9, 3, 64), (8, 1, 128), (4, 4, 64), (12, 1, 32), (40, 20, 64)], ids=str
+)
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("shapes", [DECODE, MIXED], ids=["decode", "mixed"])
 def test_op_on_pairs16_matches_dense_and_flat(paged_case, heads, page_size, shapes):
     """Decode rows of every length around block and page edges, extends of 2 rows (the tiles
-    under 8 query rows) to 33, GQA 1 / 3 / 8 / 12 (12: past the decode kernel's 8, the tiles)."""
+    under 8 query rows) to 33, GQA 1 / 3 / 8 / 12 (12: past the decode kernel's 8, the tiles);
+    20 KV heads: more than the decode kernel's block-major pass takes at once (16), so a
+    second pass of 4."""
     hq, hkv, d = heads
     case = paged_case(shapes, hq, hkv, d, page_size, torch.bfloat16, seed=page_size + hq,
                       device="cpu")  # fmt: skip
