@@ -218,7 +218,7 @@ def make_engines(args: argparse.Namespace) -> dict[str, Engine]:
     common: dict[str, Any] = dict(
         dtype=args.dtype, num_threads=args.threads, max_running_requests=16
     )
-    spec: dict[str, Any] = dict(speculative_num_draft_tokens=args.draft_tokens)
+    spec: dict[str, Any] = dict(speculative_num_draft_tokens=args.draft_tokens)  # None: default
     if args.disable_by_batch_size is not None:
         spec["speculative_disable_by_batch_size"] = args.disable_by_batch_size
     kwargs = {
@@ -429,7 +429,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="plain,ngram,draft")
     p.add_argument("--workloads", default="extract,edit,quote,free,repeat,agent,agent-json")
     p.add_argument("--agent-turns", type=int, default=4)
-    p.add_argument("--draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--draft-tokens", type=int, default=None, help="default: the algorithm's (ngram 8, draft 4)"
+    )
     p.add_argument("--draft-model", default="default")
     p.add_argument("--draft-quantization", default="int4")
     p.add_argument(

@@ -41,6 +41,8 @@ _HELP = {
     "--speculative-draft-quantization int4 is self-speculation",
     "speculative_draft_quantization": "the draft model's weight-only quantization: none | int8 | "
     "int4 | gguf",
+    "speculative_num_draft_tokens": "most draft tokens per request and step (unset: ngram 8, "
+    "draft 4)",
     "seed": "seed for requests without their own",
     "debug_integrity": "check KV page accounting after every step (slow)",
     "grammar_backend": "constrained decoding backend: auto (per constraint, the first of "

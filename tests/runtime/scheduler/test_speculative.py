@@ -16,6 +16,7 @@ from fake_runner import EOS, FakeRunner, FixedLogits, attach_core, reference_con
 from radixlm.config import SchedulerConfig
 from radixlm.radix import BlockPool, RadixCache
 from radixlm.runtime.batch import SampleSlot, ScheduledBatch, ScheduledItem
+from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import Executor
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.sampling_params import SamplingParams
@@ -257,7 +258,7 @@ def test_n_branches_and_aborts_with_drafting(periodic):
         outs.append(tokens)
     assert sorted(outs[0]) == [0, 1, 2] and outs[0] == outs[1]
     assert all(len(t) == 20 for t in outs[1].values())
-    s = make(True)
+    s = make(True, speculative_num_draft_tokens=4)  # short drafts: r1, r2 still run at step 6
     reqs = requests(4, n=4, out=30)
     for r in reqs:
         s.add_request(r)
@@ -308,3 +309,16 @@ def test_an_ngram_that_went_on_differently_is_its_own_source():
     assert d.propose(r, 2) == Proposal([6, 3], "ngram1~")
     r2 = Request("b", [1, 9, 5, 2, 7, 9], SamplingParams())
     assert d.propose(r2, 2) == Proposal([5, 2], "ngram1")
+
+
+def test_num_draft_tokens_defaults_by_algorithm():
+    """Unset, the draft length is the algorithm's default (ngram 8: a lookup costs nothing per
+    token; draft 4: each token is a draft-model forward); given, it stands; below 1 refused."""
+    assert SchedulerConfig(speculative_algorithm="ngram").speculative_num_draft_tokens == 8
+    assert SchedulerConfig(speculative_algorithm="NGRAM").speculative_num_draft_tokens == 8
+    assert SchedulerConfig(speculative_algorithm="draft").speculative_num_draft_tokens == 4
+    assert SchedulerConfig().speculative_num_draft_tokens == 4
+    given = SchedulerConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    assert given.speculative_num_draft_tokens == 3
+    with pytest.raises(ConfigError, match="speculative_num_draft_tokens"):
+        SchedulerConfig(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
