@@ -621,8 +621,9 @@ void shared_rows_pairs16(const int32_t* rows, int64_t m, int64_t req, int64_t kv
 // blocks, every KV head in turn, so the task reads each block whole (its K, then its V, all
 // heads: 2 x 16 x Hkv x D x 2 contiguous bytes) and a request's pages in order. Head-major (each
 // head over all blocks, i.e. 2 KB of every block per pass) read the same bytes as a strided
-// stream: measured on an AVX512_BF16 EPYC (2 threads, 30 layers of cold K/V, pages in
-// ascending order), batch 8 x 460 keys 19.0 -> 20.8 GB/s, batch 32 x 400 20.1 -> 22.6 GB/s.
+// stream: measured in the forward (benchmarks/kernels/bench_cpu_attention_forward.py, AVX512_BF16
+// EPYC, 2 threads, pages in ascending order), batch 32 x 400 keys 16.1 -> 13.1 ms, batch 64 x
+// 512 39.5 -> 31.4 ms (18-19 -> 22-24 GB/s of K/V).
 // Per head, the accumulators of its G query heads live in registers while the head runs and
 // in an L1 array between blocks (heads taken BM_HEADS at a time).
 template <int G, int C>
