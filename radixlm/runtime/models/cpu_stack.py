@@ -58,11 +58,6 @@ class CpuDecoderStack:
             a0.num_kv_heads,
             a0.head_dim,
         )
-        self.scale = a0.scale
-        self.eps = layers[0].input_layernorm.eps
-        self.rotary = model.rotary
-        self.ln1 = [lay.input_layernorm.weight.detach() for lay in layers]
-        self.ln2 = [lay.post_attention_layernorm.weight.detach() for lay in layers]
         proj = {
             "qkv": [lay.self_attn.qkv_proj for lay in layers],
             "o": [lay.self_attn.o_proj for lay in layers],
@@ -78,31 +73,29 @@ class CpuDecoderStack:
             if _scales(m) is not None
         ]
         self.max_rows = min(limits) if limits else None
-        self.weights = {k: [_weight(m) for m in v] for k, v in proj.items()}
-        self.scales = {k: [_scales(m) for m in v] for k, v in proj.items()}
-        self.biases = {k: [m.bias for m in v] for k, v in proj.items()}
+        w = {k: [_weight(m) for m in v] for k, v in proj.items()}
+        s = {k: [_scales(m) for m in v] for k, v in proj.items()}
+        b = {k: [m.bias for m in v] for k, v in proj.items()}
         # radixlm's packed bf16 weights, 4 per layer (qkv, o, gate_up, down), or none at all.
         packed = [getattr(m, "weight_bf16", None) for lay in zip(*proj.values()) for m in lay]
-        self.packed = packed if all(w is not None for w in packed) else []
+        self.packed = packed if all(t is not None for t in packed) else []
         # gate_up's width is the intermediate size: packed, it is packed gated (Llama's SiLU)
-        self.out_features = [v[0].out_features for v in proj.values()]
-        self.out_features[2] //= 2
+        out_features = [v[0].out_features for v in proj.values()]
+        out_features[2] //= 2
         if self.packed and not all(m.gated for m in proj["gate_up"]):
             raise ValueError("decoder_stack: packed gate_up projections must be packed gated")
-        self.k_bufs = attn.kv_cache.k_buffers
-        self.v_bufs = attn.kv_cache.v_buffers
-        w, s, b = self.weights, self.scales, self.biases
-        # The op's per-model constants in one C++ object, built once: a forward passes it
-        # instead of the per-layer lists (see `DecoderWeights` in decoder.cpp: no GIL taken
-        # while the op runs to drop references to these tensors). NOTE: it holds the KV
-        # buffers and rotary tables of now; neither is ever replaced.
+        # The op's per-model constants in one C++ object, built once and their only holder
+        # here: a forward passes it instead of per-layer lists (see `DecoderWeights` in
+        # decoder.cpp: no GIL taken while the op runs to drop references to these tensors).
+        # NOTE: it holds the KV buffers and rotary tables of now; neither is ever replaced.
         self.held = torch.classes.radixlm_cpu.DecoderWeights(
-            self.ln1, self.ln2,
+            [lay.input_layernorm.weight.detach() for lay in layers],
+            [lay.post_attention_layernorm.weight.detach() for lay in layers],
             w["qkv"], s["qkv"], b["qkv"], w["o"], s["o"], b["o"],
             w["gate_up"], s["gate_up"], b["gate_up"], w["down"], s["down"], b["down"],
-            self.k_bufs, self.v_bufs, self.rotary.cos, self.rotary.sin, self.packed,
-            self.out_features, self.eps, self.scale, self.num_heads, self.num_kv_heads,
-            self.head_dim, attn.kv_layout,
+            attn.kv_cache.k_buffers, attn.kv_cache.v_buffers, model.rotary.cos,
+            model.rotary.sin, self.packed, out_features, layers[0].input_layernorm.eps,
+            a0.scale, self.num_heads, self.num_kv_heads, self.head_dim, attn.kv_layout,
         )  # fmt: skip
 
     def takes(self, num_tokens: int) -> bool:
