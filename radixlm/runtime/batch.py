@@ -36,6 +36,9 @@ class ScheduledItem:
     # Draft model: the most draft tokens it may propose for this item (pages are reserved for
     # them); before the forward it sets `draft` and adds them to `num_tokens`.
     draft_limit: int = 0
+    # Positions of `draft` holding text the grammar forces after the token before them
+    # (`drafter.Draft`): accepted without a sample once the draft stands up to them.
+    forced: frozenset[int] = frozenset()
 
     @property
     def num_known(self) -> int:

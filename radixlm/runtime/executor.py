@@ -304,36 +304,42 @@ class Executor:
                     logger.exception("speculative acceptance failed")
                     errors[j] = SampleError(f"internal error in sampling: {exc!r}")
                     sampled[j] = (0, [-1], [None])
-                spans.append((-1, draft))
+                spans.append(({}, draft, frozenset()))
                 continue
-            spans.append((len(rows), draft))
+            forced = item.forced if draft else frozenset()
+            # Row i samples the token at draft position i; a forced position has none.
+            at: dict[int, int] = {}
             for i in range(len(draft) + 1):
+                if i in forced:
+                    continue
+                at[i] = len(rows)
                 rows.append(sample_row[s.item] + i)
                 reqs.append(s.req)
                 prefixes.append(draft[:i])
+            spans.append((at, draft, forced))
         toks, lps, row_errors = self._sample_rows(reqs, logits, rows, prefixes)
         token_ids, logprobs, accepted = [], [], {}
-        for j, (start, draft) in enumerate(spans):
+        for j, (at, draft, forced) in enumerate(spans):
             if j in sampled:
                 a, run_toks, run_lps = sampled[j]
                 token_ids.append(run_toks[-1])
                 logprobs.append(run_lps[-1])
                 accepted[j] = (draft[:a], run_lps[:-1])
                 continue
-            span = range(start, start + len(draft) + 1)
-            failed = [row_errors[r] for r in span if r in row_errors]
+            failed = [row_errors[r] for r in at.values() if r in row_errors]
             if failed:
                 errors[j] = failed[0]
             # Rejection sampling for a deterministic draft: sample each row from the target
-            # distribution; draft token i stands while it equals row i's sample; the first
-            # sample that differs (or the one after the whole draft) is the next token.
+            # distribution; draft token i stands while it equals row i's sample (a forced one
+            # stands: plain decoding appends it unsampled); the first sample that differs (or
+            # the one after the whole draft) is the next token.
             a = 0
-            while a < len(draft) and toks[start + a] == draft[a]:
+            while a < len(draft) and (a in forced or toks[at[a]] == draft[a]):
                 a += 1
-            token_ids.append(toks[start + a])
-            logprobs.append(lps[start + a])
+            token_ids.append(toks[at[a]])
+            logprobs.append(lps[at[a]])
             if draft:
-                accepted[j] = (draft[:a], lps[start : start + a])
+                accepted[j] = (draft[:a], [None if i in forced else lps[at[i]] for i in range(a)])
         return token_ids, logprobs, errors, accepted
 
     def _accept(

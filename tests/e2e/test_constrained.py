@@ -412,7 +412,8 @@ def test_speculative_decoding_under_a_schema_changes_no_token(
 ) -> None:
     """JSON extraction copies values from the document, so drafts are found; verified under
     per-row grammar masks, greedy float32 output equals plain decoding's, token for token
-    (drafts stop where the grammar forces text: jump-forward re-tokenizes it there)."""
+    (ngram drafts carry the text the grammar forces, jump-forward's tokens, and close the
+    values their source leaves; a draft model's drafts stop where the grammar forces text)."""
     doc = (
         "Invoice 4711 from ACME Tools Ltd, 12 Harbour Road, Bristol, dated 2024-03-05, "
         "total 1249.50 EUR, contact: billing@acme-tools.example"

@@ -303,22 +303,94 @@ def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(ju
     assert outs[0] == outs[1]
 
 
-def test_a_draft_stops_before_a_token_after_which_the_grammar_forces_text():
-    """After "a" the grammar forces "b": plain decoding appends it by jump-forward (maybe
-    re-tokenizing "a" with it), so "a" may be sampled but never drafted; without jump-forward
-    it may; a refused token never is."""
+def _walked(pattern: str) -> tuple[GrammarManager, object]:
     from radixlm.runtime.scheduler.admission import take_compiled_grammar
-    from radixlm.runtime.scheduler.drafter import draft_token_ok, grammar_prefix
 
     mgr = manager()
-    r = req(mgr, "f", [5], r"(ab1|cd2)+")
+    r = req(mgr, "f", [5], pattern)
     r.grammar_future.result(timeout=30)
     assert take_compiled_grammar(r) is None
-    m = r.grammar
-    assert grammar_prefix(m, encode("cd2ab1"), jump_forward=True) == []  # "c" forces "d2"
-    assert grammar_prefix(m, encode("cd2ab1"), jump_forward=False) == encode("cd2ab1")
+    return mgr, r.grammar
+
+
+def test_a_draft_carries_the_text_the_grammar_forces_after_a_token():
+    """After "c" the grammar forces "d2": plain decoding appends it by jump-forward, so a draft
+    holds "c" with jump-forward's tokens after it, marked forced, and goes on while the source
+    spells them; without jump-forward the draft is the plain walk; a refused token ends it."""
+    from radixlm.runtime.scheduler.drafter import draft_token_ok, grammar_draft
+
+    mgr, m = _walked(r"(ab1|cd2)+")
+    jf, vocab = mgr.jump_forward, mgr.vocab
+    d = grammar_draft(m, encode("cd2ab1"), 8, 8, jf, vocab)
+    assert (d.tokens, d.forced, d.num_decided) == (encode("cd2ab1"), {1, 2, 4, 5}, 2)
+    d2 = grammar_draft(m, encode("cd2ac"), 8, 8, jf, vocab)  # the source leaves the text
+    assert (d2.tokens, d2.forced) == (encode("cd2ab1"), {1, 2, 4, 5})
+    assert grammar_draft(m, encode("cdxab1"), 8, 8, jf, vocab).tokens == encode("cd2")
+    assert grammar_draft(m, encode("cd2ab1"), 1, 8, jf, vocab).tokens == encode("cd2")  # most
+    assert grammar_draft(m, encode("cd2ab1"), 8, 3, jf, vocab).tokens == encode("cd2")  # room
+    assert grammar_draft(m, encode("cd2ab1"), 8, 2, jf, vocab).tokens == []  # no room: "c" cut
+    assert grammar_draft(m, encode("cd2ab1"), 8, 8).tokens == encode("cd2ab1")  # no jump
+    assert grammar_draft(m, encode("cx"), 8, 8).tokens == encode("c")
+    # A cut never separates a forced run from the token before it.
+    assert d.cut(2).tokens == [] and d.cut(4).tokens == encode("cd2")
+    assert d.cut(4).forced == {1, 2} and d.decided(1) == d.cut(3) and d.cut(9) is d
     assert not draft_token_ok(m.fork(), encode("x")[0], jump_forward=False)
     assert m.num_accepted == 0  # walked on forks
+
+
+def test_a_draft_closes_the_value_its_source_leaves():
+    """Where the source's next token is refused (a number followed by a letter) or ends a
+    phrase (";" before a special token), the draft closes the value: the closer and the text
+    forced after it; nothing is closed where no closer forces text."""
+    from radixlm.runtime.scheduler.drafter import grammar_draft
+
+    mgr, m = _walked(r"\[[0-9;]{1,3}\]AB")
+    jf, vocab = mgr.jump_forward, mgr.vocab
+    m.accept_token(encode("[")[0])
+    d = grammar_draft(m, encode("12a"), 8, 8, jf, vocab)  # "a" is refused after "12"
+    assert (d.tokens, d.forced) == (encode("12]AB"), {3, 4})
+    d = grammar_draft(m, [*encode("1;"), EOS], 8, 8, jf, vocab)  # ";" ends the phrase
+    assert (d.tokens, d.forced) == (encode("1]AB"), {2, 3})
+    d = grammar_draft(m, encode("1;2"), 8, 8, jf, vocab)  # not a phrase end; "]AB" forced
+    assert (d.tokens, d.forced) == (encode("1;2]AB"), {3, 4, 5})
+    assert grammar_draft(m, encode("12a"), 2, 8, jf, vocab).tokens == encode("12")  # most
+    assert grammar_draft(m, encode("12a"), 8, 4, jf, vocab).tokens == encode("12")  # room
+    assert grammar_draft(m, encode("12a"), 8, 8).tokens == encode("12")  # no jump-forward
+    mgr2, m2 = _walked(r"[0-9]+[a-c]+")  # no closer: nothing to close with
+    assert grammar_draft(m2, encode("12d"), 8, 8, mgr2.jump_forward, mgr2.vocab).tokens == (
+        encode("12")
+    )
+
+
+def test_drafts_with_forced_runs_and_closings_change_nothing():
+    """Drafts that carry forced text and close values (right or wrong guesses) verify to the
+    same outputs as plain decoding, and some of them stand."""
+    pattern = r"(\[[0-9]{1,2}\]AB){5}"
+    prompts = [encode(p) for p in ("[12]AB[3]AB[45]AB[6", "[7]AB[8a", "[91]AB[91]AB[9")]
+    outs, seen = [], []
+    for spec in (False, True):
+        mgr = manager()
+        extra = {"speculative_algorithm": "ngram", "speculative_ngram_min": 1} if spec else {}
+        s = make(mgr, **extra)
+        plan = s._plan_drafts
+
+        def spy(cap, plan=plan):
+            drafts = plan(cap)
+            seen.extend(d for d in drafts.values() if d.forced)
+            return drafts
+
+        s._plan_drafts = spy
+        reqs = [req(mgr, str(i), p, pattern) for i, p in enumerate(prompts * 2)]
+        for r in reqs:
+            s.add_request(r)
+        run(s)
+        for r in reqs:
+            assert re.fullmatch(pattern, spell(r.output_token_ids)), spell(r.output_token_ids)
+        outs.append([r.output_token_ids for r in reqs])
+        if spec:
+            assert seen and s.num_accepted_draft_tokens > 0
+        assert_released(s)
+    assert outs[0] == outs[1]
 
 
 # Needs the verifier (``not``) and admits no value: every two-digit number the grammar allows

@@ -58,14 +58,14 @@ def _valid_utf8_prefix(data: bytes) -> bytes:
     return b""
 
 
-# Per vocabulary, ``_retokenize``'s answers: a schema's forced keys and punctuation come back
+# Per vocabulary, ``retokenize``'s answers: a schema's forced keys and punctuation come back
 # with the same few sampled tokens before them, and a tokenizer call costs ~50-90 us of Python.
 _Respelled = dict[tuple[tuple[int, ...], bytes], tuple[int, tuple[int, ...]] | None]
 _RESPELLED: weakref.WeakKeyDictionary[TokenVocab, _Respelled] = weakref.WeakKeyDictionary()
 _MAX_RESPELLED = 4096  # entries per vocabulary (cleared when full)
 
 
-def _retokenize(
+def retokenize(
     vocab: TokenVocab, tail: Sequence[int], forced: bytes
 ) -> tuple[int, list[int]] | None:
     """(rollback, new tokens) re-spelling ``join(tail) + forced`` (or its longest valid UTF-8
@@ -125,7 +125,7 @@ def jump_forward(
     plan = None
     for k in range(k_max, -1, -1):
         tail = recent[len(recent) - k :]
-        plan = _retokenize(vocab, tail, forced)
+        plan = retokenize(vocab, tail, forced)
         if plan is not None:
             break
     if plan is None:

@@ -44,7 +44,7 @@ from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
 from radixlm.runtime.scheduler.appender import TokenAppender, finish_sequence
-from radixlm.runtime.scheduler.drafter import Drafter, Proposal, first_token_keys, grammar_prefix
+from radixlm.runtime.scheduler.drafter import Draft, Drafter, first_token_keys, grammar_draft
 from radixlm.runtime.scheduler.forks import ForkPlanner
 from radixlm.runtime.scheduler.pages import PageManager
 from radixlm.runtime.scheduler.policy import create_policy
@@ -187,20 +187,22 @@ class Scheduler:
             retractions = self.num_retractions
             try:
                 draft, reserve = self._draft(req, cfg.max_batched_tokens - used - n, drafts)
-                total = req.num_computed_tokens + n + len(draft) + reserve
+                total = req.num_computed_tokens + n + len(draft.tokens) + reserve
                 ok = self._ensure_pages(req, total, items)
             except Exception as exc:  # noqa: BLE001 - this request's fault, not the batch's
                 self._unschedulable(req, items, exc)
                 ok = False
             if ok:
-                items.append(ScheduledItem(req, n + len(draft), draft, reserve))
+                items.append(
+                    ScheduledItem(req, n + len(draft.tokens), draft.tokens, reserve, draft.forced)
+                )
             if self.num_retractions != retractions:
                 # a retraction dropped an item
                 used = sum(i.num_tokens + i.draft_limit for i in items)
                 prefill = sum(i.num_tokens for i in items if not i.draft and i.num_tokens > 1)
                 prefill_left = (cfg.max_prefill_tokens or math.inf) - prefill
             elif ok:
-                used += n + len(draft) + reserve
+                used += n + len(draft.tokens) + reserve
                 if n > 1:
                     prefill_left -= n
         self._admit(items, used, prefill_left)
@@ -243,16 +245,17 @@ class Scheduler:
             self.max_model_len - req.num_tokens - 1,
         )
 
-    def _plan_drafts(self, chunk_cap: float) -> dict[int, list[int]]:
-        """`ngram`: each decoding request's proposal (cut where its grammar refuses), sized by
-        the drafter's expected-gain model for this step's rows; by `id(request)`."""
+    def _plan_drafts(self, chunk_cap: float) -> dict[int, Draft]:
+        """`ngram`: each decoding request's proposal (walked through its grammar:
+        `grammar_draft`), sized by the drafter's expected-gain model for this step's rows (on
+        its decided tokens; forced runs ride along); by `id(request)`."""
         if self.drafter is None or self.config.speculative_algorithm != "ngram":
             return {}
         cfg = self.config
-        proposals: list[tuple[Request, Proposal]] = []
+        proposals: list[tuple[Request, str, Draft]] = []
         base_rows = base_tokens = 0
         step = self.appender.grammar
-        jump_forward = step is not None and step.manager.jump_forward_enabled
+        manager = step.manager if step is not None and step.manager.jump_forward_enabled else None
         for req in self.running:
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -263,32 +266,40 @@ class Scheduler:
                 continue
             self.num_spec_decodes += 1
             limit = self._draft_limit(req, cfg.speculative_num_draft_tokens)
-            p = self.drafter.propose(req, limit) if limit > 0 else None
-            if p is not None and req.grammar is not None:
-                p = Proposal(grammar_prefix(req.grammar, p.tokens, jump_forward), p.source)
-            if p is not None and p.tokens:
-                proposals.append((req, p))
+            # One token more than may be drafted: where a phrase ends (`grammar_draft`).
+            p = self.drafter.propose(req, limit + 1) if limit > 0 else None
+            if p is None:
+                continue
+            if req.grammar is None:
+                draft = Draft(p.tokens[:limit])
+            else:
+                room = self._draft_limit(req, req.params.max_new_tokens)
+                jump = manager.jump_forward if manager is not None else None
+                vocab = manager.vocab if manager is not None else None
+                draft = grammar_draft(req.grammar, p.tokens, limit, room, jump, vocab)
+            if draft.tokens:
+                proposals.append((req, p.source, draft))
         if not proposals:
             return {}
         base_rows = min(base_rows, cfg.max_batched_tokens)
-        lengths = self.drafter.plan(proposals, base_rows, base_tokens)
-        return {id(r): p.tokens[:k] for (r, p), k in zip(proposals, lengths) if k}
+        lengths = self.drafter.plan(
+            [(r, src, d.num_decided) for r, src, d in proposals], base_rows, base_tokens
+        )
+        return {id(r): d.decided(k) for (r, _, d), k in zip(proposals, lengths) if k}
 
-    def _draft(
-        self, req: Request, budget: int, drafts: dict[int, list[int]]
-    ) -> tuple[list[int], int]:
+    def _draft(self, req: Request, budget: int, drafts: dict[int, Draft]) -> tuple[Draft, int]:
         """Speculative decoding: draft tokens to verify after a decoding request's last token
         (`ngram`: planned by `_plan_drafts`, cut to `budget`); with a draft model, none yet but
         the number it may propose (pages are reserved for them)."""
         if not self._may_draft(req):
-            return [], 0
+            return Draft([]), 0
         if self.config.speculative_algorithm == "draft":
             assert self.drafter is not None
             self.num_spec_decodes += 1
             most = self.drafter.draft_length(req, self.config.speculative_num_draft_tokens)
             limit = min(self._draft_limit(req, most), budget)
-            return [], max(0, limit)
-        return drafts.get(id(req), [])[: max(0, budget)], 0
+            return Draft([]), max(0, limit)
+        return drafts.get(id(req), Draft([])).cut(budget), 0
 
     def _poll_grammars(self) -> None:
         """Give each waiting request whose grammar compiled its matcher; fail (only) those
@@ -415,7 +426,9 @@ class Scheduler:
                 self.num_draft_tokens += len(item.draft)
                 self.num_accepted_draft_tokens += n_acc
                 assert self.drafter is not None
-                self.drafter.record(req, len(item.draft), n_acc)
+                # The acceptance model counts decided tokens (forced ones stand with their run).
+                decided = len(item.draft) - len(item.forced)
+                self.drafter.record(req, decided, n_acc - sum(p < n_acc for p in item.forced))
                 req.num_computed_tokens += item.num_known + n_acc
             else:
                 req.num_computed_tokens += item.num_tokens

@@ -26,11 +26,13 @@ proposal are indexed), so a proposal costs O(new tokens x n-gram sizes), not O(c
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from radixlm.radix import RadixCache
 from radixlm.runtime.grammar.base import GrammarMatcher
+from radixlm.runtime.grammar.jump_forward import JumpForward, retokenize
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request
 from radixlm.runtime.spec.gain import AcceptanceCounts, StepCost, plan_draft_lengths
 
@@ -111,13 +113,13 @@ class Drafter:
         return prior if own is None else own.alpha(prior, PRIOR_WEIGHT)
 
     def plan(
-        self, proposals: Sequence[tuple[Request, Proposal]], base_rows: int, base_tokens: int
+        self, drafts: Sequence[tuple[Request, str, int]], base_rows: int, base_tokens: int
     ) -> list[int]:
-        """How many tokens of each proposal to verify this step: the expected-gain model
-        (`plan_draft_lengths`) on the measured step cost, given the step's `base_rows` forward
-        rows and `base_tokens` sampled tokens without drafts."""
-        alphas = [self.alpha(r, p.source) for r, p in proposals]
-        lengths = [len(p.tokens) for _, p in proposals]
+        """How many tokens of each draft (request, source, length) to verify this step: the
+        expected-gain model (`plan_draft_lengths`) on the measured step cost, given the step's
+        `base_rows` forward rows and `base_tokens` sampled tokens without drafts."""
+        alphas = [self.alpha(r, source) for r, source, _ in drafts]
+        lengths = [n for _, _, n in drafts]
         return plan_draft_lengths(alphas, lengths, base_rows, base_tokens, self.cost)
 
     def propose(self, req: Request, limit: int) -> Proposal | None:
@@ -190,17 +192,178 @@ def draft_token_ok(fork: GrammarMatcher, token: int, jump_forward: bool) -> bool
     nothing after it. NOTE: where the grammar forces text, plain decoding appends the forced
     tokens (possibly re-tokenizing the sampled one) instead of sampling the next; a draft token
     there would bypass that, so the token must be the step's sampled one, which goes through the
-    appender's jump-forward. Cutting there keeps drafting token-identical to plain decoding."""
+    appender's jump-forward. Cutting there keeps drafting token-identical to plain decoding.
+    (A draft model's drafts stop there; `grammar_draft` drafts the forced tokens as well.)"""
     if not fork.accept_token(token) or fork.is_terminated():
         return False
     return not (jump_forward and fork.forced_bytes())
 
 
-def grammar_prefix(matcher: GrammarMatcher, draft: list[int], jump_forward: bool) -> list[int]:
-    """The longest prefix of `draft` whose tokens pass `draft_token_ok` after the request's
-    output (walked on a fork: the request's matcher is not touched)."""
+@dataclass(frozen=True)
+class Draft:
+    """Tokens to verify after a request's sequence. `forced`: the positions whose token is text
+    the grammar forces after the token before it, exactly as plain decoding's jump-forward
+    appends it after sampling that token: once the draft is accepted up to such a run, the run
+    stands without being compared with a sample (plain decoding never samples there). A run is
+    never separated from the token before it (`cut`)."""
+
+    tokens: list[int]
+    forced: frozenset[int] = frozenset()
+
+    @property
+    def num_decided(self) -> int:
+        """Tokens verified against a sample (the others are forced)."""
+        return len(self.tokens) - len(self.forced)
+
+    def cut(self, n: int) -> Draft:
+        """The longest prefix of at most `n` tokens that does not end inside a forced run or
+        before the run of its last token."""
+        n = max(0, min(n, len(self.tokens)))
+        while n < len(self.tokens) and n in self.forced:
+            n -= 1
+        if n == len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], frozenset(i for i in self.forced if i < n))
+
+    def decided(self, k: int) -> Draft:
+        """The first `k` decided tokens with the forced runs that follow them."""
+        n, seen = 0, 0
+        while n < len(self.tokens) and (n in self.forced or seen < k):
+            seen += n not in self.forced
+            n += 1
+        return self.cut(n)
+
+
+# Where a value's text ends: the bytes that close one (a string's quote, a member or item
+# separator, an object or array end), tried in this order where the draft closes a value.
+_CLOSERS = (b'"', b",", b"}", b"]")
+_SENTENCE_PUNCT = frozenset(b".,;:!?")
+
+# `jump(matcher, recent_tokens, max_tokens)`: `GrammarManager.jump_forward`.
+JumpFn = Callable[..., JumpForward]
+
+
+def _sentence_end(vocab: TokenVocab, source: Sequence[int], i: int) -> bool:
+    """`source[i]` is sentence punctuation ending a phrase: punctuation only (maybe with
+    trailing whitespace), followed by whitespace, a special token or nothing more of the
+    source's text (`"City."` then `" She"`; not the dot of `"grace.hopper"`)."""
+    data = vocab.token_bytes[source[i]]
+    if not data or data[0] not in _SENTENCE_PUNCT:
+        return False
+    body = data.rstrip()
+    if any(b not in _SENTENCE_PUNCT for b in body):
+        return False
+    if len(body) < len(data):
+        return True
+    if i + 1 >= len(source):
+        return False  # the source goes on beyond what was proposed: unknown
+    after = vocab.token_bytes[source[i + 1]]
+    return after is None or after[:1].isspace()
+
+
+def _forced_run(
+    fork: GrammarMatcher, token: int, jump: JumpFn, max_tokens: int
+) -> tuple[int, ...] | None:
+    """`fork` has just accepted the draft token `token`: the tokens plain decoding appends
+    after sampling it (`()`: none, the grammar forces nothing there), with `fork` advanced
+    through them; None when the draft must stop before `token` (the grammar ends after it,
+    jump-forward would re-spell it, or the forced text is cut by `max_tokens`)."""
+    if fork.is_terminated():
+        return None
+    if not fork.forced_bytes():
+        return ()
+    jf = jump(fork, [token], max_tokens=max_tokens)
+    if jf.num_rollback or not jf.token_ids or len(jf.token_ids) >= max_tokens:
+        return None
+    return jf.token_ids
+
+
+def _closing(
+    fork: GrammarMatcher, vocab: TokenVocab, jump: JumpFn, room: int
+) -> tuple[list[int], GrammarMatcher] | None:
+    """Close the open value here: the first of `_CLOSERS` the grammar takes and after which it
+    forces text, spelled as the tokenizer spells the closer and that text together (the token
+    the model writes there, e.g. `","` before a forced key), then jump-forward's tokens after
+    it; with the fork advanced through them. None when no closer forces anything or the run
+    does not fit in `room` tokens."""
+    for closer in _CLOSERS:
+        cid = vocab.single_byte_ids[closer[0]]
+        if cid is None:
+            continue
+        probe = fork.fork()
+        if not probe.accept_token(cid) or probe.is_terminated():
+            continue
+        forced = probe.forced_bytes()
+        spelled = retokenize(vocab, [cid], forced) if forced else None
+        if spelled is None or not spelled[1]:
+            continue
+        token = spelled[1][0] if spelled[0] else cid
+        m = fork.fork()
+        if not m.accept_token(token):
+            continue
+        run = _forced_run(m, token, jump, room)
+        if run:
+            return [token, *run], m
+    return None
+
+
+def grammar_draft(
+    matcher: GrammarMatcher,
+    source: Sequence[int],
+    most: int,
+    room: int,
+    jump: JumpFn | None = None,
+    vocab: TokenVocab | None = None,
+) -> Draft:
+    """A draft from `source` (a proposal, one token longer than `most` to see where a phrase
+    ends) that the grammar takes after the request's output, walked on a fork (the request's
+    matcher is not touched): at most `most` decided tokens and `room` tokens in all.
+
+    Without jump-forward (`jump` None) it is the longest prefix whose tokens pass
+    `draft_token_ok`. With it, a token after which the grammar forces text is drafted with the
+    tokens plain decoding appends there (forced positions), and the source goes on after them
+    when it spells them too (a JSON record copied whole). Where the source leaves the open value
+    (the grammar refuses its next token: a number followed by a word; or the next token ends a
+    phrase of prose, `_sentence_end`) the value is closed (`_closing`): the closer and the forced
+    text after it (`","` and the next key) are drafted, so that the step that verifies the value
+    also computes the key and samples the first token of the next value. A wrong guess costs
+    the tokens after it: the sample there is the next token, as without a draft."""
     m = matcher.fork()
-    for i, t in enumerate(draft):
-        if not draft_token_ok(m, t, jump_forward):
-            return draft[:i]
-    return draft
+    out: list[int] = []
+    forced: set[int] = set()
+    decided, i = 0, 0
+
+    def close() -> bool:
+        """Draft the closing of the open value after `out`; False when it cannot."""
+        if jump is None or vocab is None:
+            return False
+        closed = _closing(m, vocab, jump, room - len(out))
+        if closed is None:
+            return False
+        forced.update(range(len(out) + 1, len(out) + len(closed[0])))
+        out.extend(closed[0])
+        return True
+
+    while i < len(source) and decided < most and len(out) < room:
+        t = source[i]
+        if vocab is not None and _sentence_end(vocab, source, i) and close():
+            break
+        if not m.accept_token(t):
+            close()
+            break
+        if jump is None:
+            run: tuple[int, ...] | None = None if m.is_terminated() else ()
+        else:
+            run = _forced_run(m, t, jump, room - len(out))
+        if run is None:
+            break
+        out.append(t)
+        decided += 1
+        i += 1
+        if run:
+            forced.update(range(len(out), len(out) + len(run)))
+            out.extend(run)
+            if list(source[i : i + len(run)]) != list(run):
+                break
+            i += len(run)
+    return Draft(out, frozenset(forced)).cut(room)

@@ -44,7 +44,7 @@ def test_start_state_forces_the_object_head(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_partial_token_is_retokenized_with_the_forced_text(
+def test_partial_token_isretokenized_with_the_forced_text(
     backend: str, tokenizer: Any, vocab: TokenVocab, compile_for: Compile
 ) -> None:
     """The model sampled "{" (allowed), the grammar forces '"name":"': re-tokenizing "{" with it
@@ -177,7 +177,7 @@ def test_respelling_is_remembered_per_vocabulary(tokenizer: Any, vocab: TokenVoc
     """The re-spelling of (sampled tail, forced bytes) is the tokenizer's the first time and
     the same answer after, without calling it again; one that does not round-trip stays None;
     another vocabulary asks its own tokenizer."""
-    from radixlm.runtime.grammar.jump_forward import _retokenize
+    from radixlm.runtime.grammar.jump_forward import retokenize
 
     calls: list[str] = []
 
@@ -187,14 +187,14 @@ def test_respelling_is_remembered_per_vocabulary(tokenizer: Any, vocab: TokenVoc
 
     counted = TokenVocab(vocab.token_bytes, vocab.eos_token_ids, encode)
     (brace,) = tokenizer.encode("{")
-    first = _retokenize(counted, [brace], b'"name":"')
+    first = retokenize(counted, [brace], b'"name":"')
     assert first is not None and calls == ['{"name":"']
     rollback, ids = first
     assert rollback == 1 and counted.join(ids) == b'{"name":"'
-    again = _retokenize(counted, [brace], b'"name":"')
+    again = retokenize(counted, [brace], b'"name":"')
     assert again == first and len(calls) == 1
     again[1].append(0)  # the caller's list is its own
-    assert _retokenize(counted, [brace], b'"name":"') == first
-    assert _retokenize(counted, [], b"\xff") is None and len(calls) == 1  # no valid text
+    assert retokenize(counted, [brace], b'"name":"') == first
+    assert retokenize(counted, [], b"\xff") is None and len(calls) == 1  # no valid text
     other = TokenVocab(vocab.token_bytes, vocab.eos_token_ids, encode)
-    assert _retokenize(other, [brace], b'"name":"') == first and len(calls) == 2
+    assert retokenize(other, [brace], b'"name":"') == first and len(calls) == 2
