@@ -96,7 +96,9 @@ def build_forward_batch(
 ) -> tuple[ForwardBatch, list[int], list[range]]:
     """The ragged `ForwardBatch` of `batch`; the logits row of each item's sample (-1: none);
     and each item's prompt-logprob positions (their rows come first, in item order). An item
-    with a draft of k tokens has k + 1 consecutive sampling rows, from its sample row on."""
+    with a draft of k tokens has k + 1 consecutive sampling rows, from its sample row on, less
+    one per forced draft position (`ScheduledItem.forced`: the row after the token before it
+    is not computed)."""
     items = batch.items
     reqs = [i.req for i in items]
     rows = table.rows_for(reqs)
@@ -115,10 +117,12 @@ def build_forward_batch(
         lp_positions.append(pos)
         logits_rows.extend(offset + p - start for p in pos)
         if item.samples:
-            # One row after the last known token, then one after each draft token.
+            # One row after the last known token, then one after each draft token but those
+            # before a forced one (nothing is sampled there).
             sample_row.append(len(logits_rows))
             last = offset + item.num_known - 1
-            logits_rows.extend(range(last, last + 1 + len(item.draft)))
+            n = len(item.draft)
+            logits_rows.extend(last + i for i in range(n + 1) if i == n or i not in item.forced)
         else:
             sample_row.append(-1)
         offset += item.num_tokens
@@ -313,7 +317,7 @@ class Executor:
                 if i in forced:
                     continue
                 at[i] = len(rows)
-                rows.append(sample_row[s.item] + i)
+                rows.append(sample_row[s.item] + i - sum(f < i for f in forced))
                 reqs.append(s.req)
                 prefixes.append(draft[:i])
             spans.append((at, draft, forced))
@@ -437,7 +441,7 @@ class Executor:
                     ]
                 row += len(pos)
             if item.samples:
-                row += 1 + len(item.draft)  # its sampling rows
+                row += 1 + len(item.draft) - len(item.forced)  # its sampling rows
         return out, tops
 
     def _sample(

@@ -301,6 +301,7 @@ def test_speculative_drafts_are_walked_through_the_grammar_and_change_nothing(ju
             assert s.num_accepted_draft_tokens > 0
         assert_released(s)
     assert outs[0] == outs[1]
+    assert logprobs[0] == logprobs[1]  # forced tokens 0.0, as jump-forward's
 
 
 def _walked(pattern: str) -> tuple[GrammarManager, object]:
@@ -367,7 +368,7 @@ def test_drafts_with_forced_runs_and_closings_change_nothing():
     same outputs as plain decoding, and some of them stand."""
     pattern = r"(\[[0-9]{1,2}\]AB){5}"
     prompts = [encode(p) for p in ("[12]AB[3]AB[45]AB[6", "[7]AB[8a", "[91]AB[91]AB[9")]
-    outs, seen = [], []
+    outs, logprobs, seen = [], [], []
     for spec in (False, True):
         mgr = manager()
         extra = {"speculative_algorithm": "ngram", "speculative_ngram_min": 1} if spec else {}
@@ -380,13 +381,23 @@ def test_drafts_with_forced_runs_and_closings_change_nothing():
             return drafts
 
         s._plan_drafts = spy
-        reqs = [req(mgr, str(i), p, pattern) for i, p in enumerate(prompts * 2)]
+        reqs = [req(mgr, str(i), p, pattern, logprobs=True) for i, p in enumerate(prompts * 2)]
         for r in reqs:
             s.add_request(r)
-        run(s)
+        lps: dict[str, list] = {r.request_id: [] for r in reqs}
+        for _ in range(2000):
+            if not s.has_work():
+                break
+            for r in s.waiting:
+                if r.grammar_pending:
+                    r.grammar_future.result(timeout=10)
+            for upd in s.step():
+                lps[upd.request_id] += [(t.token_id, round(t.logprob, 5)) for t in upd.logprobs]
         for r in reqs:
             assert re.fullmatch(pattern, spell(r.output_token_ids)), spell(r.output_token_ids)
+            assert [t for t, _ in lps[r.request_id]] == r.output_token_ids
         outs.append([r.output_token_ids for r in reqs])
+        logprobs.append(lps)
         if spec:
             assert seen and s.num_accepted_draft_tokens > 0
         assert_released(s)
