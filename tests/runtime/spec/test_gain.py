@@ -85,6 +85,17 @@ def test_flat_cost_takes_whole_drafts_and_a_compute_bound_step_none():
         plan_draft_lengths([0.5], [1, 2], 1, 1, flat)
 
 
+def test_a_gain_below_the_margin_drafts_nothing():
+    """Batch 8, each row past 8 adds 1% to the step: a draft token standing with probability
+    0.6 raises the expected rate by ~6.4% (below the 10% margin: no draft), one at 0.95 by
+    ~10.8%."""
+    slope = cost_of({r: 0.010 * (1 + 0.01 * max(0, r - 8)) for r in range(1, 65)})
+    one = [1] + [0] * 7
+    assert plan_draft_lengths([0.6] + [0.0] * 7, one, 8, 8, slope) == [0] * 8
+    assert plan_draft_lengths([0.6] + [0.0] * 7, one, 8, 8, slope, margin=0) == one
+    assert plan_draft_lengths([0.95] + [0.0] * 7, one, 8, 8, slope) == one
+
+
 def test_a_knee_in_the_cost_goes_to_the_likeliest_tokens_first():
     """Flat up to 10 rows, then 1 ms per row (a CPU's linears turning compute-bound): at
     batch 8 the two free rows go to the likeliest draft tokens; past the knee a token must
