@@ -138,11 +138,13 @@ class SchemaVerifier:
         return v
 
     def _refusal(self, node: Any, instance: Any) -> str | None:
-        v = self._validator_for(node)
-        if v.is_valid(instance):
+        # One lazy pass: the first error names the keyword (``best_match`` of it alone still
+        # descends into an ``anyOf`` / ``oneOf`` error's branches; ranking every error would
+        # validate the whole value again for a name).
+        error = next(self._validator_for(node).iter_errors(instance), None)
+        if error is None:
             return None
-        error = jsonschema.exceptions.best_match(v.iter_errors(instance))
-        return _keyword_of(error)
+        return _keyword_of(jsonschema.exceptions.best_match([error]))
 
     def checks_value(self, nodes: Nodes) -> bool:
         return any(self.tainted(n) for n in nodes)
