@@ -137,8 +137,9 @@ def expected_accepted(alpha: float, k: int) -> float:
 # share: a draft also costs host work the measured step cost leaves out (the proposals, the
 # per-row sampling and checks of the verification, ~3-5% of a batch-8 CPU step), and the
 # measured costs and learned acceptance are noisy, so a draft that "pays" by less is a loss as
-# often as a gain (measured at batch 8, 2 threads, AVX512_BF16 EPYC: `free` 0.89-0.95x without a
-# margin, 0.95x with 5%, 1.06x with 10%; `edit` 0.97x -> 1.09x; `quote` 1.20x -> 1.24x).
+# often as a gain. NOTE: it does not settle `free` at batch 8 (2 threads, AVX512_BF16 EPYC):
+# 0.89-0.95x without it, 0.89-1.06x with it: the per-request acceptance estimates run above
+# what stands there (drafts planned at alpha 0.8-0.99, 0.57-0.64 accepted).
 DRAFT_MARGIN = 0.10
 
 
