@@ -278,14 +278,12 @@ def _forced_run(
     return jf.token_ids
 
 
-def _closing(
-    fork: GrammarMatcher, vocab: TokenVocab, jump: JumpFn, room: int
-) -> tuple[list[int], GrammarMatcher] | None:
+def _closing(fork: GrammarMatcher, vocab: TokenVocab, jump: JumpFn, room: int) -> list[int] | None:
     """Close the open value here: the first of `_CLOSERS` the grammar takes and after which it
     forces text, spelled as the tokenizer spells the closer and that text together (the token
     the model writes there, e.g. `","` before a forced key), then jump-forward's tokens after
-    it; with the fork advanced through them. None when no closer forces anything or the run
-    does not fit in `room` tokens."""
+    it (walked on forks of `fork`). None when no closer forces anything or the run does not fit
+    in `room` tokens."""
     for closer in _CLOSERS:
         cid = vocab.single_byte_ids[closer[0]]
         if cid is None:
@@ -303,7 +301,7 @@ def _closing(
             continue
         run = _forced_run(m, token, jump, room)
         if run:
-            return [token, *run], m
+            return [token, *run]
     return None
 
 
@@ -340,8 +338,8 @@ def grammar_draft(
         closed = _closing(m, vocab, jump, room - len(out))
         if closed is None:
             return False
-        forced.update(range(len(out) + 1, len(out) + len(closed[0])))
-        out.extend(closed[0])
+        forced.update(range(len(out) + 1, len(out) + len(closed)))
+        out.extend(closed)
         return True
 
     while i < len(source) and decided < most and len(out) < room:
