@@ -311,13 +311,14 @@ class Executor:
                 spans.append(({}, draft, frozenset()))
                 continue
             forced = item.forced if draft else frozenset()
-            # Row i samples the token at draft position i; a forced position has none.
+            # Row i samples the token at draft position i; a forced position has none (nor a
+            # logits row: the item's rows are its kept positions in order).
             at: dict[int, int] = {}
             for i in range(len(draft) + 1):
                 if i in forced:
                     continue
-                at[i] = len(rows)
-                rows.append(sample_row[s.item] + i - sum(f < i for f in forced))
+                rows.append(sample_row[s.item] + len(at))
+                at[i] = len(rows) - 1
                 reqs.append(s.req)
                 prefixes.append(draft[:i])
             spans.append((at, draft, forced))
