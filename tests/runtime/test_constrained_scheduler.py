@@ -447,3 +447,38 @@ def test_a_dead_end_fails_only_that_request_and_releases_its_pages():
     run(s)
     assert re.fullmatch(FORCED, spell(again.output_token_ids))
     assert_released(s)
+
+
+def test_a_draft_that_fails_to_build_leaves_its_request_decoding_plainly(monkeypatch):
+    """An exception while walking one request's draft through its grammar costs that request
+    its draft only: it decodes as without drafting, the others still draft, outputs equal."""
+    import radixlm.runtime.scheduler.core as core
+
+    pattern = r"(ab1|cd2|ef3){6}"
+    prompt = encode("ab1cd2ef3ab1cd2")
+    outs, raised = [], []
+    for spec in (False, True):
+        mgr = manager(jump_forward=False)
+        extra = {"speculative_algorithm": "ngram", "speculative_ngram_min": 1} if spec else {}
+        s = make(mgr, **extra)
+        reqs = [req(mgr, str(i), prompt, pattern) for i in range(3)]
+        walk = core.grammar_draft
+
+        def failing(matcher, *a, walk=walk, broken=reqs[0]):
+            if matcher is broken.grammar:
+                raised.append(broken.request_id)
+                raise RuntimeError("backend failure while drafting")
+            return walk(matcher, *a)
+
+        monkeypatch.setattr(core, "grammar_draft", failing)
+        for r in reqs:
+            s.add_request(r)
+        run(s)
+        for r in reqs:
+            assert r.finish_reason == "stop" and r.error is None
+            assert re.fullmatch(pattern, spell(r.output_token_ids))
+        outs.append([r.output_token_ids for r in reqs])
+        if spec:
+            assert raised and s.num_accepted_draft_tokens > 0  # the other requests still draft
+        assert_released(s)
+    assert outs[0] == outs[1]

@@ -40,6 +40,7 @@ from radixlm.runtime.batch import (
     StepResult,
 )
 from radixlm.runtime.constrained import DEAD_END
+from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request, RequestStatus
 from radixlm.runtime.scheduler.admission import Admission, Outcome, take_compiled_grammar
@@ -266,19 +267,15 @@ class Scheduler:
                 continue
             self.num_spec_decodes += 1
             limit = self._draft_limit(req, cfg.speculative_num_draft_tokens)
-            # One token more than may be drafted: where a phrase ends (`grammar_draft`).
-            p = self.drafter.propose(req, limit + 1) if limit > 0 else None
-            if p is None:
+            try:
+                source, draft = self._proposal(req, limit, manager)
+            except Exception:  # noqa: BLE001 - a draft is optional: this request decodes plainly
+                logger.exception(
+                    "drafting for request %s failed; it decodes without", req.request_id
+                )
                 continue
-            if req.grammar is None:
-                draft = Draft(p.tokens[:limit])
-            else:
-                room = self._draft_limit(req, req.params.max_new_tokens)
-                jump = manager.jump_forward if manager is not None else None
-                vocab = manager.vocab if manager is not None else None
-                draft = grammar_draft(req.grammar, p.tokens, limit, room, jump, vocab)
             if draft.tokens:
-                proposals.append((req, p.source, draft))
+                proposals.append((req, source, draft))
         if not proposals:
             return {}
         base_rows = min(base_rows, cfg.max_batched_tokens)
@@ -286,6 +283,22 @@ class Scheduler:
             [(r, src, d.num_decided) for r, src, d in proposals], base_rows, base_tokens
         )
         return {id(r): d.decided(k) for (r, _, d), k in zip(proposals, lengths) if k}
+
+    def _proposal(
+        self, req: Request, limit: int, manager: GrammarManager | None
+    ) -> tuple[str, Draft]:
+        """`req`'s draft and its source, from the drafter's proposal (one token more than
+        `limit` is looked up: where a phrase ends) walked through its grammar (`grammar_draft`);
+        `manager`: the grammar manager when jump-forward is on."""
+        p = self.drafter.propose(req, limit + 1) if limit > 0 and self.drafter else None
+        if p is None:
+            return "", Draft([])
+        if req.grammar is None:
+            return p.source, Draft(p.tokens[:limit])
+        room = self._draft_limit(req, req.params.max_new_tokens)
+        jump = manager.jump_forward if manager is not None else None
+        vocab = manager.vocab if manager is not None else None
+        return p.source, grammar_draft(req.grammar, p.tokens, limit, room, jump, vocab)
 
     def _draft(self, req: Request, budget: int, drafts: dict[int, Draft]) -> tuple[Draft, int]:
         """Speculative decoding: draft tokens to verify after a decoding request's last token
