@@ -216,7 +216,11 @@ def agent_loop(s, task: str, turns: int, max_tokens: int, schema: dict[str, Any]
 
 def make_engines(args: argparse.Namespace) -> dict[str, Engine]:
     common: dict[str, Any] = dict(
-        dtype=args.dtype, num_threads=args.threads, max_running_requests=16
+        dtype=args.dtype,
+        num_threads=args.threads,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_running_requests=max(16, *args.batch_sizes),  # a batch of B runs at once
     )
     spec: dict[str, Any] = dict(speculative_num_draft_tokens=args.draft_tokens)  # None: default
     if args.disable_by_batch_size is not None:
@@ -419,6 +423,15 @@ def step_costs(eng: Engine, batches: list[int], context: int, reps: int) -> list
     ]  # fmt: skip
 
 
+def device_description(eng: Engine) -> str:
+    """The device the engine runs on, its attention backend and whether decode graphs replay."""
+    runner = eng.runner
+    dev = runner.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    graphs = "on" if getattr(runner, "decode_graphs", None) is not None else "off"
+    return f"{name} ({dev}), attention {runner.attention_backend_name}, cuda graphs {graphs}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from radixlm.runtime.models.loader import cache_dir
 
@@ -439,6 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default=None, help="default: the engine's (cuda if available)")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--vllm", action="store_true", help="add vLLM's CPU server (--vllm-modes)")
     p.add_argument("--vllm-modes", default="vllm,vllm-ngram", help="vllm (no drafts), vllm-ngram")
     p.add_argument("--vllm-venv", type=Path, default=cache_dir() / "peers" / "vllm-venv")
@@ -470,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(cpu_description(), "| load average at start:", os.getloadavg())
     engines = make_engines(args)
+    device = device_description(engines["plain"])
+    print("device:", device, flush=True)
     rows: list[dict[str, Any]] = []
     costs: list[dict[str, Any]] = []
     try:
@@ -507,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
     print("load average at end:", os.getloadavg())
     out = {
         "cpu": cpu_description(),
+        "device": device,
         "args": vars(args) | {"out": str(args.out)},
         "rows": rows,
         "step_cost": costs,
