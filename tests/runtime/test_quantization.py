@@ -55,6 +55,28 @@ def test_quant_linear_matches_dequantized_reference(mode, group, dtype, rows) ->
     assert _relerr(qw.dequantize(), lin.weight) < (0.01 if mode == "int8" else 0.12)
 
 
+def test_cuda_int4_tiles_divide_k() -> None:
+    """tinygemm's packed groups of 16-wide K tiles: the most of 8 / 4 / 2 dividing K."""
+    from radixlm.runtime.quantization.kernels import cuda_inner_k_tiles
+
+    assert [cuda_inner_k_tiles(k) for k in (128, 576, 1536, 96, 4096)] == [8, 4, 8, 2, 8]
+    with pytest.raises(ValueError, match="K = 80"):
+        cuda_inner_k_tiles(80)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("k", [576, 1536, 96])
+def test_cuda_int4_linear_matches_dequantized_reference(k: int) -> None:
+    """SmolLM2's K = 576 is not a multiple of tinygemm's 8 x 16 tiles (the default model's int4
+    draft failed to pack on CUDA before the tile count was chosen per K)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 192, bias=False).to(torch.bfloat16).cuda()
+    q = quantize_linear(lin, "int4", 32)
+    x = torch.randn(5, k, dtype=torch.bfloat16, device="cuda")
+    ref = x.double() @ quantize_int4(lin.weight, 32).dequantize().double().t()
+    assert _relerr(q(x), ref) < 1.5e-2
+
+
 @pytest.mark.parametrize("n,k", [(64, 64), (16, 64), (48, 128), (480, 576), (960, 576)])
 def test_int4_cpu_unpack_inverts_the_pack(n: int, k: int) -> None:
     """The learned layout of torch's CPU int4 pack (full blocks of 64 rows and tails)."""

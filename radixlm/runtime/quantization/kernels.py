@@ -309,13 +309,24 @@ def _mm_int8_rows(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
 # From this many rows `INT8_ROWS` multiplies a float copy instead (measured crossover, README).
 INT8_ROWS_DEQUANT_MIN_ROWS = 48
 
-CUDA_INNER_K_TILES = 8
+# tinygemm packs K in tiles of 16, `inner_k_tiles` (8, 4 or 2) of them per packed group; the
+# product reads the count back from the packed shape.
+CUDA_INNER_K_TILES = (8, 4, 2)
+
+
+def cuda_inner_k_tiles(k: int) -> int:
+    """The most tiles per packed group that divide K (SmolLM2's K = 576 takes 4, not 8)."""
+    for tiles in CUDA_INNER_K_TILES:
+        if k % (16 * tiles) == 0:
+            return tiles
+    raise ValueError(f"CUDA int4 (tinygemm) needs K divisible by 32, got K = {k}")
 
 
 def _pack_int4_cuda(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
     q = qw.q.to(device)
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
-    packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, CUDA_INNER_K_TILES)
+    tiles = cuda_inner_k_tiles(q.shape[1])
+    packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
     return packed, _scales_and_zeros(qw, dtype).to(device)
 
 
