@@ -19,6 +19,7 @@ from radixlm.kernels.forward_batch import KVCache
 from radixlm.radix import BlockPool, HybridBlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.cpu_threads import release_idle_teams
+from radixlm.runtime.cuda_graph import SPEC_GRAPH_MAX_ROWS
 from radixlm.runtime.engine_core import EngineCore
 from radixlm.runtime.errors import ConfigError
 from radixlm.runtime.executor import Executor
@@ -94,11 +95,19 @@ class EngineParts:
         self._grammar_lock = threading.Lock()
 
     def _cuda_graph_max_bs(self) -> int:
-        """The largest decode batch that gets a CUDA graph (0: none)."""
+        """The most rows a replayed forward has (0: no graphs): decode batches of up to
+        `cuda_graph_max_bs` requests; with speculative decoding also their verifications
+        (k + 1 rows a request, up to `SPEC_GRAPH_MAX_ROWS`: `cuda_graph.DecodeGraphs` replays a
+        short extend as decode rows)."""
         cfg = self.config
         if cfg.disable_cuda_graph:
             return 0
-        return min(cfg.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+        sched = cfg.scheduler
+        requests = min(cfg.cuda_graph_max_bs, sched.max_running_requests)
+        if sched.speculative_algorithm is None:
+            return requests
+        rows = requests * (sched.speculative_num_draft_tokens + 1)
+        return max(requests, min(rows, SPEC_GRAPH_MAX_ROWS))
 
     def _make_runner(self) -> Any:
         """A `ModelRunner`, or with `tp_size > 1` rank 0's `TensorParallelRunner` (which

@@ -1,9 +1,18 @@
-"""CUDA graphs for decode-only forwards: one graph per batch-size bucket, captured at start.
+"""CUDA graphs for decode-shaped forwards: one graph per row-count bucket, captured at start.
 
 A decode step of a large model on a GPU launches ~10 kernels per layer; at small batch their
 launch cost (host time) exceeds their run time. `DecodeGraphs` captures the whole forward once per
-bucket (`decode_buckets`: 1, 2, 4, 8, then every 8 up to `max_bs`) and replays it: one launch
+bucket (`decode_buckets`: 1, 2, 4, 8, then every 8 up to `max_bs` rows) and replays it: one launch
 per step. vLLM and SGLang do the same (their `--cuda-graph-max-bs`, `--disable-cuda-graph`).
+
+**Short extends replay too** (a speculative verification: k + 1 new tokens per request; a
+prompt of a few tokens): every new token becomes a decode row of its own, over its request's
+page-table row, with `seq_len = position + 1`. Each layer stores all the rows' K/V before the
+attention runs, so row j of a request reads the cached prefix and its own draft tokens 0..j:
+the extend's causal attention, computed by the decode kernel. A forward of `T` tokens replays
+the bucket of `T` rows (a row reads its whole context, so `T` rows read the request's K/V up to
+`k + 1` times: small next to the eager forward's launches, which a verification otherwise pays
+at every step; SGLang captures its verify steps for the same reason).
 
 How a forward becomes replayable:
 
@@ -40,6 +49,10 @@ from radixlm.kernels.forward_batch import ForwardBatch
 logger = logging.getLogger(__name__)
 
 Replay = Callable[[], None]
+
+# The most rows a graph gets for speculative verifications (k + 1 rows a request): bounds the
+# capture time and the graphs' memory (the largest bucket's activations and logits).
+SPEC_GRAPH_MAX_ROWS = 256
 
 
 class GraphCapture(Protocol):
@@ -147,7 +160,8 @@ class StaticInputs:
 
 
 class DecodeGraphs:
-    """One captured decode forward per bucket of `decode_buckets(max_bs)`.
+    """One captured decode forward per bucket of `decode_buckets(max_bs)` rows; it serves a
+    decode batch of up to `max_bs` requests, or any forward of up to `max_bs` tokens.
 
     Invariants: the static inputs are written only by `run`, right before a replay; the
     padding rows of a replay write only the scratch page; `forward(batch, attn)` of `model`
@@ -176,10 +190,12 @@ class DecodeGraphs:
         self.static = StaticInputs.allocate(
             max(1, self.max_bs), self.max_pages, scratch_page, page_size, device
         )
+        self._requests = torch.arange(max(1, self.max_bs), device=device)  # [M] int64
         self._capture = capture
         self.graphs: dict[int, tuple[Replay, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.replays = 0
+        self.extend_replays = 0  # the replays that served short extends (verifications)
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first (the later ones reuse the pool's blocks)."""
@@ -198,13 +214,14 @@ class DecodeGraphs:
         self.capture_seconds = time.perf_counter() - start
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
-        """The bucket that serves `batch`, or None (not decode-only, too many rows)."""
-        b = batch.batch_size
-        if b == 0 or b > self.max_bs or not batch.is_decode_only:
+        """The bucket that serves `batch` (by its token count: an extend's tokens become decode
+        rows), or None (no tokens, too many, a page table wider than the graphs')."""
+        t = batch.num_tokens
+        if t == 0 or t > self.max_bs:
             return None
         if batch.page_table.shape[1] > self.max_pages:
             return None
-        return next(x for x in self.buckets if x >= b)
+        return next(x for x in self.buckets if x >= t)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:  # [R, V] float32, or None
         """Replay the graph of `batch`'s bucket and return the logits of its
@@ -212,19 +229,29 @@ class DecodeGraphs:
         bucket = self.bucket_for(batch)
         if bucket is None:
             return None
-        b = batch.batch_size
+        t = batch.num_tokens
         s = self.static
-        s.input_ids[:b].copy_(batch.input_ids)
-        s.positions[:b].copy_(batch.positions)
-        s.out_cache_loc[:b].copy_(batch.out_cache_loc)
-        s.seq_lens[:b].copy_(batch.seq_lens)
-        s.prefix_lens[:b].copy_(batch.prefix_lens)
-        s.page_table[:b, : batch.page_table.shape[1]].copy_(batch.page_table)
-        if bucket > b:
+        s.input_ids[:t].copy_(batch.input_ids)
+        s.positions[:t].copy_(batch.positions)
+        s.out_cache_loc[:t].copy_(batch.out_cache_loc)
+        width = batch.page_table.shape[1]
+        if batch.is_decode_only:
+            s.seq_lens[:t].copy_(batch.seq_lens)
+            s.prefix_lens[:t].copy_(batch.prefix_lens)
+            s.page_table[:t, :width].copy_(batch.page_table)
+        else:  # one decode row per new token (module docstring); no host sync
+            owner = torch.repeat_interleave(
+                self._requests[: batch.batch_size], batch.extend_lens, output_size=t
+            )  # [T] request of each token
+            s.seq_lens[:t].copy_(batch.positions + 1)
+            s.prefix_lens[:t].copy_(batch.positions)
+            s.page_table[:t, :width].copy_(batch.page_table.index_select(0, owner))
+            self.extend_replays += 1
+        if bucket > t:
             # NOTE: padding rows keep stale (valid) ids, positions and page ids: they read one
             # key anywhere and write only the scratch page.
-            s.out_cache_loc[b:bucket].fill_(self.scratch_page * self.page_size)
-            s.seq_lens[b:bucket].fill_(1)
+            s.out_cache_loc[t:bucket].fill_(self.scratch_page * self.page_size)
+            s.seq_lens[t:bucket].fill_(1)
         replay, out = self.graphs[bucket]
         replay()
         self.replays += 1

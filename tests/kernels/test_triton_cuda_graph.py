@@ -17,6 +17,7 @@ from radixlm.config import CacheConfig
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.cuda_graph import eager_capture
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.spec.gain import StepCost
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter (conftest)
 PAGE = 4
@@ -106,22 +107,41 @@ def test_graph_replay_matches_eager(request, model):
         torch.testing.assert_close(a[:real], b[:real], atol=2e-5, rtol=2e-5)
 
 
-def test_graphs_serve_only_decode_batches(tiny_llama_dir):
+def test_graphs_serve_short_extends_as_decode_rows(tiny_llama_dir):
+    """A forward of up to `max_bs` tokens replays: each new token is a decode row over its
+    request's pages (a speculative verification: k + 1 tokens per request). Logits and K/V
+    equal the eager extend's; more tokens than the largest bucket run eagerly."""
     runner = make_runner(tiny_llama_dir, graphs=True)
+    eager = make_runner(tiny_llama_dir, graphs=False)
     graphs = runner.decode_graphs
-    ids = prompts(2)
-    pages = prefill(runner, ids)  # an extend batch: eager
+    ids = prompts(2)  # 3 + 7 tokens: more than the largest bucket (8), eager
+    pages = prefill(runner, ids)
+    assert prefill(eager, ids) == pages
     assert graphs.replays == 0
-    mixed = ForwardBatch.build(
-        [[5], [6, 7]], [len(ids[0]), len(ids[1])], pages, [[0], [1]], PAGE, DEVICE
-    )
-    assert graphs.bucket_for(mixed) is None
-    runner.forward(mixed)
-    assert graphs.replays == 0
-    one = ForwardBatch.build([[5]], [len(ids[0]) + 1], pages[:1], [[0]], PAGE, DEVICE)
+    lens = [len(p) for p in ids]
+    steps = [
+        ([[5], [6, 7]], [[0], [0, 1]]),  # a decode row beside a 2-token extend
+        ([[8, 9, 10, 11], [12, 13, 14]], [[0, 1, 2, 3], [0, 1, 2]]),  # 4 + 3: a verification
+        ([[15, 16, 17], [18]], [[1, 2], []]),  # rows without logits
+    ]
+    for chunks, rows in steps:
+        batch = ForwardBatch.build(chunks, lens, pages, rows, PAGE, DEVICE)
+        replays = graphs.replays
+        got = runner.forward(batch)
+        assert graphs.replays == replays + 1
+        want = eager.forward(batch)
+        assert got.shape == want.shape == (sum(map(len, rows)), runner.vocab_size)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        lens = [n + len(c) for n, c in zip(lens, chunks)]
+    real = NUM_PAGES * PAGE
+    for a, b in zip(snapshot(runner), snapshot(eager)):
+        torch.testing.assert_close(a[:real], b[:real], atol=2e-5, rtol=2e-5)
+    nine = ForwardBatch.build([[1] * 5, [2] * 4], [0, 0], pages, [[4], [3]], PAGE, DEVICE)
+    assert graphs.bucket_for(nine) is None
+    one = ForwardBatch.build([[5]], [lens[0]], pages[:1], [[0]], PAGE, DEVICE)
     assert graphs.bucket_for(one) == 1
     # No logits wanted for a row: the replay still runs, and returns no rows.
-    none = ForwardBatch.build([[5]], [len(ids[0]) + 1], pages[:1], [[]], PAGE, DEVICE)
+    none = ForwardBatch.build([[5]], [lens[0]], pages[:1], [[]], PAGE, DEVICE)
     assert runner.forward(none).shape == (0, runner.vocab_size)
 
 
@@ -154,6 +174,9 @@ def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatc
             init(self, *args, **dict(kwargs, graph_capture=eager_capture))
 
         monkeypatch.setattr(ModelRunner, "__init__", with_eager_capture)
+    # A flat step cost: every found draft is verified (the plumbing under test, not the planner,
+    # which on CPU finds the interpreter's verification rows too dear to draft).
+    monkeypatch.setattr(StepCost, "cost", lambda self, rows: 1.0)
     new = 12 if DEVICE == "cuda" else 4
     params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
     periodic = [[5, 6, 7, 8] * (2 + i) for i in range(4)]
@@ -172,7 +195,8 @@ def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatc
     }.items():
         with Engine(
             str(tiny_qwen2_dir), dtype="float32", device=DEVICE, attention_backend="triton",
-            num_pages=256, page_size=16, cuda_graph_max_bs=16, debug_integrity=True,
+            num_pages=256, page_size=16, cuda_graph_max_bs=16 if DEVICE == "cuda" else 4,
+            debug_integrity=True,
             num_threads=1, **kw,
         ) as engine:  # fmt: skip
             graphs = engine.runner.decode_graphs
@@ -180,10 +204,16 @@ def test_engine_greedy_tokens_with_and_without_graphs(tiny_qwen2_dir, monkeypatc
             toks = []
             for batch in batches:
                 toks += [r.output_token_ids for r in engine.generate(batch, params)]
+            # Prompt lookup drafts the engine's own first outputs: each prompt, its output, the
+            # prompt again.
+            echo = [p + o + p for p, o in zip(batches[0], toks)]
+            toks += [r.output_token_ids for r in engine.generate(echo, params)]
             assert engine.wait_idle(timeout=60)
             engine.check_integrity()
             if graphs is not None and name != "graphs-spec-draft":
                 assert graphs.replays > 0
+            if name == "graphs-spec-ngram":  # its verifications replay as decode rows
+                assert engine.stats().spec_drafts > 0 and graphs.extend_replays > 0
             if name == "graphs-spec-draft":  # NOTE: the target verifies drafts every step
                 draft = engine.parts.executor.proposer.runner.decode_graphs
                 assert draft is not None and draft.replays > 0
