@@ -428,7 +428,10 @@ def device_description(eng: Engine) -> str:
     runner = eng.runner
     dev = runner.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    graphs = "on" if getattr(runner, "decode_graphs", None) is not None else "off"
+    g = getattr(runner, "decode_graphs", None)
+    graphs = "off" if g is None else (
+        f"up to {g.max_bs} rows ({len(g.buckets)} buckets, captured in {g.capture_seconds:.1f} s)"
+    )  # fmt: skip
     return f"{name} ({dev}), attention {runner.attention_backend_name}, cuda graphs {graphs}"
 
 
@@ -485,8 +488,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     print(cpu_description(), "| load average at start:", os.getloadavg())
     engines = make_engines(args)
-    device = device_description(engines["plain"])
-    print("device:", device, flush=True)
+    device = {mode: device_description(eng) for mode, eng in engines.items()}
+    print("device:", json.dumps(device), flush=True)
     rows: list[dict[str, Any]] = []
     costs: list[dict[str, Any]] = []
     try:
