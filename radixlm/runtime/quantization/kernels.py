@@ -327,11 +327,16 @@ def _pack_int4_cuda(qw: QuantizedWeight, dtype: torch.dtype, device: torch.devic
     nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # [N, K/2]
     tiles = cuda_inner_k_tiles(q.shape[1])
     packed = torch.ops.aten._convert_weight_to_int4pack(nibbles, tiles)
-    return packed, _scales_and_zeros(qw, dtype).to(device)
+    # NOTE: tinygemm multiplies bf16 only: its scales are bf16 whatever the model's dtype
+    return packed, _scales_and_zeros(qw, torch.bfloat16).to(device)
 
 
 def _mm_int4_cuda(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm(x, w, x.shape[-1] // sz.shape[0], sz)
+    """tinygemm in bf16; a float32 model's activations are cast there and back."""
+    y = torch.ops.aten._weight_int4pack_mm(
+        x.to(torch.bfloat16), w, x.shape[-1] // sz.shape[0], sz
+    )
+    return y.to(x.dtype)
 
 
 def _mm_int8_cuda(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
