@@ -311,3 +311,25 @@ def test_engine_config_checks_load_format_and_graph_flags() -> None:
     with pytest.raises(ConfigError, match="cuda_graph_max_bs"):
         EngineConfig(cuda_graph_max_bs=-1)
     assert EngineConfig().cuda_graph_max_bs == 64 and not EngineConfig().disable_cuda_graph
+
+
+def test_graph_rows_cover_speculative_verifications() -> None:
+    """The runner's CUDA graphs serve up to `cuda_graph_max_bs` decoding requests, and with
+    speculative decoding their verifications (k + 1 rows each, at most SPEC_GRAPH_MAX_ROWS)."""
+    from types import SimpleNamespace
+
+    from radixlm.config import EngineConfig
+    from radixlm.runtime.core_factory import EngineParts
+    from radixlm.runtime.cuda_graph import SPEC_GRAPH_MAX_ROWS
+
+    def rows(**kw: object) -> int:
+        parts = SimpleNamespace(config=EngineConfig.from_kwargs(**kw))
+        return EngineParts._cuda_graph_max_bs(parts)  # type: ignore[arg-type]
+
+    assert rows() == 64
+    assert rows(max_running_requests=8) == 8
+    assert rows(disable_cuda_graph=True, speculative_algorithm="ngram") == 0
+    assert rows(max_running_requests=8, speculative_algorithm="ngram") == 8 * 9  # k = 8
+    assert rows(speculative_algorithm="ngram") == SPEC_GRAPH_MAX_ROWS == 256
+    draft = dict(speculative_algorithm="draft", speculative_draft_model="default")
+    assert rows(cuda_graph_max_bs=4, **draft) == 4 * 5  # k = 4
