@@ -26,7 +26,9 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
   (`TOOL_CALL_SCHEMA`): jump-forward writes the keys, and the forward that computes them also
   verifies a draft of what follows (the earlier calls' tool names and paths).
 
-The radix cache is flushed before every timed run (drafts come from the prompt, the run's own
+Modes run one after the other, each with its own engine, one alive at a time (two engines in
+one process slowed each other by ~25% on a 2-core CPU). The radix cache is flushed before every
+timed run (drafts come from the prompt, the run's own
 output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
 at once) and mode: output tok/s (generated tokens over wall time; the median of `--reps` runs
 after a warm-up), its ratio to `plain`, the load-independent counts of the timed runs
@@ -214,7 +216,8 @@ def agent_loop(s, task: str, turns: int, max_tokens: int, schema: dict[str, Any]
         s += sgl.user("Tool result: " + tool_result(i, s[f"call{i}"]))
 
 
-def make_engines(args: argparse.Namespace) -> dict[str, Engine]:
+def make_engine(args: argparse.Namespace, mode: str) -> Engine:
+    """The engine of one mode (`plain`, `ngram`, `draft`)."""
     common: dict[str, Any] = dict(
         dtype=args.dtype,
         num_threads=args.threads,
@@ -235,7 +238,7 @@ def make_engines(args: argparse.Namespace) -> dict[str, Engine]:
             speculative_draft_quantization=args.draft_quantization,
         ),
     }
-    return {m: Engine(**common, **kwargs[m]) for m in args.modes if m in ENGINE_MODES}
+    return Engine(**common, **kwargs[mode])
 
 
 def prompt_runner(
@@ -487,43 +490,56 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     print(cpu_description(), "| load average at start:", os.getloadavg())
-    engines = make_engines(args)
-    device = {mode: device_description(eng) for mode, eng in engines.items()}
-    print("device:", json.dumps(device), flush=True)
-    rows: list[dict[str, Any]] = []
+    modes = [m for m in ENGINE_MODES if m in args.modes]
+    cases = [(name, b) for name in args.workloads for b in args.batch_sizes]
+    results: dict[tuple[str, int], dict[str, Any]] = {
+        (name, b): {"workload": name, "batch": b} for name, b in cases
+    }
+    outs: dict[tuple[str, int], dict[str, list[list[int]]]] = {c: {} for c in cases}
+    device: dict[str, str] = {}
     costs: list[dict[str, Any]] = []
-    try:
-        if args.step_cost:
-            costs = step_costs(
-                engines["plain"], args.batch_sizes, args.step_cost_context, args.step_cost_reps
-            )
-            for c in costs:
-                print(json.dumps({"step_cost": c}), flush=True)
-        for name in args.workloads:
-            for b in args.batch_sizes:
-                res: dict[str, Any] = {"workload": name, "batch": b}
-                outs: dict[str, list[list[int]]] = {}
-                for mode, eng in engines.items():
-                    if name in AGENT_WORKLOADS:
-                        schema = TOOL_CALL_SCHEMA if name == "agent-json" else None
-                        go = agent_runner(eng, b, args.agent_turns, args.tokens, schema)
-                    else:
-                        texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
-                        go = prompt_runner(eng, name, texts, b, args.tokens)
-                    m, outs[mode] = measure(eng, go, args.reps, repeat=name == "repeat")
-                    res |= {f"{mode}_{k}": v for k, v in m.items()}
-                for mode in engines:
-                    if mode != "plain":
-                        res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
-                        same = sum(a == s for a, s in zip(outs["plain"], outs[mode]))
-                        res[f"{mode}_identical"] = f"{same}/{len(outs['plain'])}"
-                rows.append(res)
-                print(json.dumps(res), flush=True)
-        if args.vllm:
-            run_vllm(args, engines["plain"], rows)
-    finally:
-        for eng in engines.values():
+    template: Engine | None = None
+    # NOTE: one engine alive at a time. With two in one process both ran ~25% slower here
+    # (SmolLM2 bf16, batch 8, 2 threads: 550 -> 407 tok/s for the first once the second was
+    # built; one after the other, each as fast as alone), so modes run one after the other.
+    for mode in modes:
+        eng = make_engine(args, mode)
+        try:
+            device[mode] = device_description(eng)
+            print("device:", mode, device[mode], flush=True)
+            if mode == "plain":
+                template = eng  # its chat template (the tokenizer's) for vLLM's prompts
+                if args.step_cost:
+                    costs = step_costs(
+                        eng, args.batch_sizes, args.step_cost_context, args.step_cost_reps
+                    )
+                    for c in costs:
+                        print(json.dumps({"step_cost": c}), flush=True)
+            for name, b in cases:
+                if name in AGENT_WORKLOADS:
+                    schema = TOOL_CALL_SCHEMA if name == "agent-json" else None
+                    go = agent_runner(eng, b, args.agent_turns, args.tokens, schema)
+                else:
+                    texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
+                    go = prompt_runner(eng, name, texts, b, args.tokens)
+                m, outs[(name, b)][mode] = measure(eng, go, args.reps, repeat=name == "repeat")
+                results[(name, b)] |= {f"{mode}_{k}": v for k, v in m.items()}
+                print(json.dumps({"workload": name, "batch": b, "mode": mode, **m}), flush=True)
+        finally:
             eng.shutdown()
+    rows: list[dict[str, Any]] = []
+    for case in cases:
+        res, got = results[case], outs[case]
+        for mode in modes:
+            if mode != "plain":
+                res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
+                same = sum(a == s for a, s in zip(got["plain"], got[mode]))
+                res[f"{mode}_identical"] = f"{same}/{len(got['plain'])}"
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+    if args.vllm:
+        assert template is not None
+        run_vllm(args, template, rows)
     print("load average at end:", os.getloadavg())
     out = {
         "cpu": cpu_description(),
