@@ -333,9 +333,7 @@ def _pack_int4_cuda(qw: QuantizedWeight, dtype: torch.dtype, device: torch.devic
 
 def _mm_int4_cuda(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """tinygemm in bf16; a float32 model's activations are cast there and back."""
-    y = torch.ops.aten._weight_int4pack_mm(
-        x.to(torch.bfloat16), w, x.shape[-1] // sz.shape[0], sz
-    )
+    y = torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), w, x.shape[-1] // sz.shape[0], sz)
     return y.to(x.dtype)
 
 
