@@ -27,8 +27,8 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
   verifies a draft of what follows (the earlier calls' tool names and paths).
 
 Modes run one after the other, each with its own engine, one alive at a time (two engines in
-one process slowed each other by ~25% on a 2-core CPU). The radix cache is flushed before every
-timed run (drafts come from the prompt, the run's own
+one process slowed each other by ~25% on a 2-core CPU: libgomp's spin throttling, README). The
+radix cache is flushed before every timed run (drafts come from the prompt, the run's own
 output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
 at once) and mode: output tok/s (generated tokens over wall time; the median of `--reps` runs
 after a warm-up), its ratio to `plain`, the load-independent counts of the timed runs
@@ -501,7 +501,8 @@ def main(argv: list[str] | None = None) -> None:
     template: Engine | None = None
     # NOTE: one engine alive at a time. With two in one process both ran ~25% slower here
     # (SmolLM2 bf16, batch 8, 2 threads: 550 -> 407 tok/s for the first once the second was
-    # built; one after the other, each as fast as alone), so modes run one after the other.
+    # built; one after the other, each as fast as alone): their forward teams hold more OpenMP
+    # threads than the box has CPUs, and libgomp then barely spins between parallel regions.
     for mode in modes:
         eng = make_engine(args, mode)
         try:
