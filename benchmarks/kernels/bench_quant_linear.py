@@ -9,7 +9,10 @@ The kernels are the ones the runtime packs (`radixlm.runtime.quantization`): int
 channel) radixlm's `int8_mm` and int4 radixlm's `int4_g32_mm` where they run (AVX512_BF16,
 bf16); `-torch` forces torch's `aten._weight_int8pack_mm` / `aten._weight_int4pack_mm_for_cpu`
 (asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout,
-`bf16-packed` radixlm's packed bf16 kernel (`linear_bf16.cpp`); `-deq`: the runtime's large-row path
+`bf16-packed` radixlm's packed bf16 kernel (`linear_bf16.cpp`); `fp32` oneDNN's fp32 GEMM on an
+fp32 copy (what a CPU without native bf16 computes in), `fp32-packed` radixlm's packed kernel on
+fp32 activations over the bf16 weight (AVX2 + FMA; here at every row count, while the runtime
+sends it only `linear_bf16_fp32_max_rows()`); `-deq`: the runtime's large-row path
 (the weight dequantized for the call, then `F.linear`). The kinds alternate within each
 iteration (an A/B in one run: a busy box slows them alike). Prints the CPU flags and the load
 average; ms per 120 linears (median of `--iters`), the bytes of weights (and scales) one pass
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -55,6 +59,12 @@ def build(kind: str, out_f: int, in_f: int):
     lin = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
     if kind.startswith("bf16"):
         return PackedLinear(lin, bf16_kernel=kind == "bf16-packed")
+    if kind == "fp32":
+        return PackedLinear(lin.float())
+    if kind == "fp32-packed":
+        m = PackedLinear(lin.float(), lowp=torch.bfloat16)
+        m.bf16_max_rows = sys.maxsize  # the kernel at every row count
+        return m
     base = kind.removesuffix("-deq").removesuffix("-torch")  # int4-g32-torch-deq
     mode, _, group = base.partition("-g")
     ours = kernels.int4_g32_supported, kernels.int8_rows_supported
@@ -73,7 +83,9 @@ def weight_bytes(m) -> int:
     if q is not None:
         return q.qweight.nbytes + q.scales.nbytes
     w = m.weight_bf16 if m.weight_bf16 is not None else m.packed
-    return w.nbytes if w.layout == torch.strided else m.in_features * m.out_features * 2
+    if w.layout == torch.strided:
+        return w.nbytes
+    return m.in_features * m.out_features * (4 if w.dtype == torch.float32 else 2)
 
 
 class Path_:
@@ -125,16 +137,18 @@ def main() -> None:
             }
         for r in rows:
             xs = {i: torch.randn(r, i, dtype=torch.bfloat16) for _, i in SHAPES}
+            xs32 = {i: x.float() for i, x in xs.items()}
             times: dict[str, dict[str, list[float]]] = {
                 k: {"layers": [], "lm_head": []} for k in kinds
             }
             for it in range(args.iters + 2):  # 2 warm-up rounds; kinds alternate in each round
                 for k in kinds:
+                    x = xs32 if k.startswith("fp32") else xs
                     t = time.perf_counter()
                     for m in mods[k]:
-                        m(xs[m.in_features])
+                        m(x[m.in_features])
                     t1 = time.perf_counter()
-                    heads[k](xs[HIDDEN])
+                    heads[k](x[HIDDEN])
                     t2 = time.perf_counter()
                     if it >= 2:
                         times[k]["layers"].append(t1 - t)

@@ -281,12 +281,11 @@ class ModelRunner:
         their names. CPU: fused C++ ops and oneDNN-prepacked linears unless `enforce_eager`
         (where the op cannot be built, one log line and the torch twins). CUDA + triton:
         Triton norms and RoPE. The weights of CPUs without native bf16 compute in fp32 with a
-        bf16 copy for 1-2 row inputs (`cpu_linear`)."""
+        bf16 copy for few-row inputs (`cpu_linear`)."""
         from radixlm.kernels.layer_ops import get_layer_ops
         from radixlm.runtime.models.cpu_linear import (
             add_lowp_copies,
             bf16_kernel_supported,
-            linear_bf16_max_rows,
             move_weights_to_huge_pages,
             onednn_available,
             pack_linears,
@@ -307,11 +306,14 @@ class ModelRunner:
             pack_linears(model, lowp, bf16_kernel=bf16_kernel_supported())
             move_weights_to_huge_pages(model)  # before the stack keeps references to them
             linears = "onednn-prepacked"
-            if any(getattr(m, "weight_bf16", None) is not None for m in model.modules()):
-                most = linear_bf16_max_rows()
+            kernel = [m for m in model.modules() if getattr(m, "weight_bf16", None) is not None]
+            if kernel:
+                most = kernel[0].bf16_max_rows
                 linears = "radixlm bf16 packed" + (
                     "" if most >= sys.maxsize else f" (inputs of <= {most} rows; oneDNN above)"
                 )
+                if kernel[0].kernel_dtype == torch.float32:
+                    linears += " on fp32 activations"
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 
             why_not = CpuDecoderStack.unsupported_reason(model, self.attn)
@@ -329,7 +331,7 @@ class ModelRunner:
             linears = f"{self.quantization} weight-only ({summary}); the rest {linears}"
         if lowp is not None:
             logger.info(
-                "this CPU has no native %s matmul: weights compute in %s (a %s copy for 1-2 row "
+                "this CPU has no native %s matmul: weights compute in %s (a %s copy for few-row "
                 "inputs); KV cache in %s",
                 self.dtype,
                 self.compute_dtype,

@@ -53,7 +53,10 @@ def test_engine_on_a_cpu_without_bf16_keeps_a_bf16_kv_cache(monkeypatch, tiny_ll
     down = r.model.layers[0].mlp.down_proj
     if cpu_linear.onednn_available():  # the compiled forward: packed fp32 + a bf16 copy
         assert isinstance(down, cpu_linear.PackedLinear) and down.packed.dtype == torch.float32
-        assert down.weight_lowp.dtype == torch.bfloat16
+        if cpu_linear.linear_bf16_fp32_max_rows() > 0:  # radixlm's kernel on a packed copy
+            assert down.weight_bf16 is not None and down.weight_lowp is None
+        else:
+            assert down.weight_lowp.dtype == torch.bfloat16
     else:
         assert isinstance(down, cpu_linear.SmallRowsLowpLinear)
     eager = ModelRunner(
@@ -73,12 +76,25 @@ needs_onednn = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 7, 64, 300])
 def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    if dtype == torch.bfloat16 and not cpu_linear.onednn_packs_bf16():
+        pytest.skip("oneDNN packs no bf16 weights on this CPU (AVX2 only)")
     torch.manual_seed(rows)
     lin = nn.Linear(96, 80, bias=bias).to(dtype)
     packed = cpu_linear.PackedLinear(lin)
     x = torch.randn(rows, 96).to(dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(packed(x), lin(x), **tol)
+
+
+@needs_onednn
+def test_pack_linears_leaves_bf16_weights_oneDNN_cannot_pack(monkeypatch) -> None:
+    """On an AVX2-only CPU oneDNN refuses to reorder bf16 weights (a bf16 model with
+    `matmul_dtype="model"` there): those linears stay plain and still compute."""
+    monkeypatch.setattr(cpu_linear, "onednn_packs_bf16", lambda: False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4).to(torch.bfloat16))
+    assert cpu_linear.pack_linears(model) == 1
+    assert isinstance(model[0], cpu_linear.PackedLinear) and type(model[1]) is nn.Linear
+    assert model[1](model[0](torch.randn(3, 8)).bfloat16()).shape == (3, 4)
 
 
 @needs_onednn
@@ -96,7 +112,9 @@ def test_pack_linears_replaces_plain_linears_only() -> None:
 
 
 @needs_onednn
-def test_packed_linear_small_rows_use_the_lowp_copy() -> None:
+def test_packed_linear_small_rows_use_the_lowp_copy(monkeypatch) -> None:
+    """Where radixlm's fp32-activation kernel is not built: `F.linear` on a bf16 copy."""
+    monkeypatch.setattr(cpu_linear, "linear_bf16_fp32_max_rows", lambda: 0)
     torch.manual_seed(0)
     lin = nn.Linear(32, 16)
     packed = cpu_linear.PackedLinear(lin, lowp=torch.bfloat16)

@@ -35,6 +35,7 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
                        const std::optional<at::Tensor>& b, int64_t n, bool gated);
 int64_t linear_bf16_max_rows();
+int64_t linear_bf16_fp32_max_rows();
 at::Tensor int4_g32_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales_mins);
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales);
 bool has_bf16_dot();
@@ -69,13 +70,19 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& w,
   return stack[0].toTensor();
 }
 
-// A layer linear of `n` outputs: radixlm's bf16 kernel on `packed` (given: inputs of at most
-// `linear_bf16_max_rows()` rows), else oneDNN-prepacked `w` (no scales) or weight-only int8 /
+// Inputs of at most this many rows take radixlm's packed kernel (bf16 x: the bf16 path; fp32 x:
+// the fp32-activation path on bf16 weights, linear_bf16.cpp).
+int64_t packed_max_rows(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? linear_bf16_fp32_max_rows() : linear_bf16_max_rows();
+}
+
+// A layer linear of `n` outputs: radixlm's packed kernel on `packed` (given: inputs of at most
+// `packed_max_rows(x)` rows), else oneDNN-prepacked `w` (no scales) or weight-only int8 /
 // int4 (scales given).
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& s, const std::optional<at::Tensor>& b,
                         const std::optional<at::Tensor>& packed, int64_t n) {
-  if (packed.has_value() && x.size(0) <= linear_bf16_max_rows())
+  if (packed.has_value() && x.size(0) <= packed_max_rows(x))
     return linear_bf16(x, *packed, b, n, false);
   if (!s.has_value()) return packed_linear(x, w, b);
   at::Tensor y;
@@ -207,7 +214,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_stack(
         layer_linear(attn.view({t, q_size}), W.w_o[l], W.s_o[l], W.b_o[l], pk(l, 1), n_o);
     h = add_rms_norm(o, residual, W.ln2[l], eps);
     at::Tensor act;  // [T, I]
-    if (pk(l, 2).has_value() && t <= linear_bf16_max_rows()) {
+    if (pk(l, 2).has_value() && t <= packed_max_rows(h)) {
       act = linear_bf16(h, *pk(l, 2), W.b_gate_up[l], n_inter, true);
     } else {
       act = silu_and_mul(

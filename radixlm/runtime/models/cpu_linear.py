@@ -4,7 +4,9 @@ There, oneDNN runs a bf16 GEMM by converting to fp32 on the fly: at 8+ rows it i
 an fp32 GEMM of the same shape (measured on an AVX2 EPYC: 64 x 576 x 3072, 16.5 ms vs 2.9 ms),
 while a 1-2 row product (a GEMV, memory-bound) is faster in bf16 (it reads half the bytes).
 `matmul_dtype="auto"` therefore keeps the weights in fp32 for compute and a bf16 copy for the
-small-row case; the KV cache keeps the model's dtype (bf16: half the attention traffic).
+few-row case (with the compiled forward: radixlm's packed kernel, fp32 activations on bf16
+weights, `PackedLinear`); the KV cache keeps the model's dtype (bf16: half the attention
+traffic).
 """
 
 from __future__ import annotations
@@ -31,12 +33,19 @@ MATMUL_DTYPES = ("auto", "model", "float32")
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16)."""
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's instruction-set flags (None: unknown)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
+        return None
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX512_BF16 or AMX-BF16)."""
+    flags = _cpu_flags()
+    if flags is None:
         return True  # unknown: keep the model dtype
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
@@ -90,6 +99,15 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN reorders (prepacks) bf16 weights here: it needs AVX512 BW / VL / DQ or
+    AVX-NE-CONVERT (an AVX2-only CPU has neither: bf16 weights stay unpacked there)."""
+    flags = _cpu_flags()
+    if flags is None:
+        return True
+    return {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+
+
 class PackedLinear(nn.Module):
     """`y = x @ W^T + b` on a weight reordered once (what Inductor's freezing does), the CPU
     compiled forward's linear: bf16 weights on AVX512_BF16 CPUs through radixlm's packed kernel
@@ -103,8 +121,11 @@ class PackedLinear(nn.Module):
     `silu(gate) * up` [T, I], SiLU-and-mul fused into the kernel's epilogue (oneDNN rows: the
     fused CPU op after it), with the numerics of the two ops in sequence.
 
-    With `lowp` (CPUs without native bf16 computing in fp32), inputs of at most `SMALL_ROWS`
-    rows multiply a low-precision copy instead, as `SmallRowsLowpLinear` does.
+    With `lowp` bf16 (CPUs without native bf16 computing in fp32), inputs of at most
+    `linear_bf16_fp32_max_rows()` rows run the packed kernel's fp32-activation path on a bf16
+    copy of the weight (AVX2 + FMA: half the bytes an fp32 GEMV streams), the rest oneDNN's fp32
+    GEMM; where that path is not built, inputs of at most `SMALL_ROWS` rows multiply a
+    low-precision copy instead, as `SmallRowsLowpLinear` does.
     NOTE: holds no `weight` parameter: the packed copies replace it (the tied embedding keeps
     its own)."""
 
@@ -120,23 +141,36 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        bf16_kernel = bf16_kernel and w.dtype == torch.bfloat16
+        # The packed kernel's inputs: bf16 (AVX512_BF16, a bf16 weight), or fp32 activations on a
+        # bf16 copy of an fp32 weight where the CPU computes in fp32 (`lowp` bf16, AVX2)
+        fp32_kernel = (
+            lowp == torch.bfloat16 and w.dtype == torch.float32 and linear_bf16_fp32_max_rows() > 0
+        )
+        bf16_kernel = (bf16_kernel and w.dtype == torch.bfloat16) or fp32_kernel
+        self.kernel_dtype = w.dtype if bf16_kernel else None
         self.gated = gated and bf16_kernel
         # radixlm's packed bf16 copy ([ceil(N / 32), ceil(K / 2), 64]; gated
         # [ceil(N / 2 / 16), ...]), or None
-        self.weight_bf16 = _op().pack_bf16_linear(w, self.gated) if bf16_kernel else None
-        self.bf16_max_rows = linear_bf16_max_rows() if self.weight_bf16 is not None else -1
+        self.weight_bf16 = (
+            _op().pack_bf16_linear(w.to(torch.bfloat16), self.gated) if bf16_kernel else None
+        )
+        self.bf16_max_rows = -1
+        if self.weight_bf16 is not None:
+            self.bf16_max_rows = (
+                linear_bf16_fp32_max_rows() if fp32_kernel else linear_bf16_max_rows()
+            )
         # oneDNN's copy: only for the rows the packed kernel does not take
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
             if self.bf16_max_rows < sys.maxsize
             else None
         )
+        lowp = None if fp32_kernel else lowp  # the packed copy serves the few-row inputs
         self.weight_lowp = None if lowp is None else w.to(lowp)
         self.bias_lowp = None if lowp is None or self.bias is None else self.bias.to(lowp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out] ([T, out / 2] gated)
-        if x.shape[0] <= self.bf16_max_rows and x.dtype == torch.bfloat16:
+        if x.shape[0] <= self.bf16_max_rows and x.dtype == self.kernel_dtype:
             n = self.out_features // 2 if self.gated else self.out_features
             return _op().linear_bf16(x, self.weight_bf16, self.bias, n, self.gated)
         if self.gated:
@@ -173,6 +207,14 @@ def linear_bf16_max_rows() -> int:
     return min(int(op.linear_bf16_max_rows()), sys.maxsize) if op is not None else 0
 
 
+@functools.cache
+def linear_bf16_fp32_max_rows() -> int:
+    """fp32 inputs of at most this many rows take radixlm's packed kernel on a bf16 weight copy
+    (`linear_bf16.cpp`, AVX2 + FMA), the rest oneDNN's fp32 GEMM; 0 where it is not built."""
+    op = _op()
+    return int(op.linear_bf16_fp32_max_rows()) if op is not None else 0
+
+
 def bf16_kernel_supported() -> bool:
     """Whether radixlm's bf16 linear runs here (the op built, AVX512_BF16)."""
     op = _op()
@@ -182,20 +224,25 @@ def bf16_kernel_supported() -> bool:
 def pack_linears(
     model: nn.Module, lowp: torch.dtype | None = None, bf16_kernel: bool = False
 ) -> int:
-    """Replace every plain `nn.Linear` of `model` (bf16 / fp32 weights) by a `PackedLinear`;
-    returns how many. Tensor-parallel linears (subclasses) keep their own forward. With
+    """Replace every plain `nn.Linear` of `model` (fp32 weights; bf16 where oneDNN packs them or
+    radixlm's bf16 kernel takes every row count) by a `PackedLinear`; returns how many.
+    Tensor-parallel linears (subclasses) keep their own forward. With
     `bf16_kernel` (radixlm's bf16 linear runs here: `bf16_kernel_supported()`), bf16 linears are
     packed for it; where it takes only a few rows (AMX), only when their weights total at most
     `DUAL_MAX_WEIGHT_BYTES` (both copies are kept). A SiLU MLP's `gate_up_proj` (a parent with
     `act == "silu"`) is packed gated (the module then returns silu(gate) * up; the MLP sees
     `gated`). NOTE: call after the weights are loaded and tied."""
+    keep = bf16_kernel and lowp is None
+    # bf16 weights take oneDNN (for every row count or past the kernel's) only where it packs them
+    dtypes = (torch.float32,)
+    if onednn_packs_bf16() or (keep and linear_bf16_max_rows() >= sys.maxsize):
+        dtypes += (torch.bfloat16,)
     found = [
         (parent, name, child)
         for parent in list(model.modules())
         for name, child in list(parent.named_children())
-        if type(child) is nn.Linear and child.weight.dtype in (torch.bfloat16, torch.float32)
+        if type(child) is nn.Linear and child.weight.dtype in dtypes
     ]
-    keep = bf16_kernel and lowp is None
     if keep and linear_bf16_max_rows() < sys.maxsize:
         keep = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found) <= (
             DUAL_MAX_WEIGHT_BYTES

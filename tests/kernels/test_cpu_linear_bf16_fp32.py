@@ -1,0 +1,133 @@
+"""radixlm's packed linear on fp32 activations (`kernels/cpu/linear_bf16.cpp`, AVX2 + FMA): the
+path CPUs without native bf16 take for few-row inputs (they compute in fp32 on a bf16 weight
+copy). Against a float64 product (row counts across the pass splits, N / K tails, odd K, bias),
+batch invariance, the gated epilogue against `silu_and_mul`, `PackedLinear`'s choice between it
+and oneDNN's fp32 GEMM, and a bf16 model computing in fp32 whose one-call layer stack takes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.config import CacheConfig
+from radixlm.runtime.models import cpu_linear
+from radixlm.runtime.models.cpu_linear import PackedLinear, linear_bf16_fp32_max_rows
+
+pytestmark = pytest.mark.skipif(
+    linear_bf16_fp32_max_rows() == 0, reason="the fp32 path needs the built op and AVX2 + FMA"
+)
+
+
+def _op():
+    return cpu_linear._op()
+
+
+def _linear(x, w, b=None, gated=False):
+    op = _op()
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    return op.linear_bf16(x, op.pack_bf16_linear(w, gated), b, n, gated)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (960, 576), (577, 100), (15, 33), (3, 1536), (40, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 11, 16, 17, 40])
+def test_fp32_linear_matches_a_float64_product(n, k, bias, m):
+    gen = torch.Generator().manual_seed(n + k + m)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen) if bias else None
+    out = _linear(x, w, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * k**0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 101), (3, 33)])
+def test_fp32_rows_do_not_depend_on_the_batch(n, k):
+    """Every output is one fp32 sum over K pairs in order whatever the pass: a row's output is
+    bit-identical alone and in any batch."""
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen)
+    op = _op()
+    wp = op.pack_bf16_linear(w)
+    for m in [*range(2, 18), 33]:
+        x = torch.randn(m, k, generator=gen)
+        alone = torch.cat([op.linear_bf16(x[i : i + 1], wp, b, n) for i in range(m)])
+        assert torch.equal(op.linear_bf16(x, wp, b, n), alone), m
+
+
+@pytest.mark.parametrize("inter,k", [(1536, 576), (40, 33), (7, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 3, 8, 13])
+def test_fp32_gated_equals_silu_and_mul_after_the_projection(inter, k, bias, m):
+    gen = torch.Generator().manual_seed(inter + k + m)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(2 * inter, k, generator=gen).bfloat16()
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    fused = _linear(x, w, b, gated=True)
+    assert fused.shape == (m, inter) and fused.dtype == torch.float32
+    assert torch.equal(fused, _op().silu_and_mul(_linear(x, w, b)))
+    gu = F.linear(x.double(), w.double(), None if b is None else b.double())
+    ref = F.silu(gu[:, :inter]) * gu[:, inter:]
+    torch.testing.assert_close(fused.double(), ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_fp32_linear_of_no_rows_and_bad_inputs():
+    op = _op()
+    wp = op.pack_bf16_linear(torch.zeros(4, 8).bfloat16())
+    assert op.linear_bf16(torch.zeros(0, 8), wp, None, 4).shape == (0, 4)
+    with pytest.raises(RuntimeError, match="bf16 or fp32 x"):
+        op.linear_bf16(torch.zeros(1, 8, dtype=torch.float64), wp, None, 4)
+    with pytest.raises(RuntimeError, match="packed for 8"):
+        op.linear_bf16(torch.zeros(2, 10), wp, None, 4)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_packed_linear_computing_in_fp32_takes_the_kernel_for_few_rows(gated):
+    """An fp32 linear of a bf16 model on a CPU computing in fp32 (`lowp` bf16): inputs of at
+    most `linear_bf16_fp32_max_rows()` rows run the kernel on the bf16 copy, the rest oneDNN's
+    fp32 GEMM; no other low-precision copy is kept."""
+    if not cpu_linear.onednn_available():
+        pytest.skip("torch built without oneDNN")
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 2 * 40 if gated else 80).to(torch.bfloat16).float()
+    packed = PackedLinear(lin, lowp=torch.bfloat16, gated=gated)
+    most = linear_bf16_fp32_max_rows()
+    assert packed.weight_bf16 is not None and packed.weight_lowp is None
+    assert packed.kernel_dtype == torch.float32 and packed.bf16_max_rows == most
+    assert packed.packed is not None and packed.gated == gated
+    x = torch.randn(most + 9, 96)
+    for rows in (1, most, most + 9):
+        ref = lin(x[:rows])
+        if gated:
+            ref = F.silu(ref[:, :40]) * ref[:, 40:]
+        torch.testing.assert_close(packed(x[:rows]), ref, atol=1e-4, rtol=1e-4)
+    small = packed(x[:most])
+    kernel = _op().linear_bf16(x[:most], packed.weight_bf16, lin.bias, 40 if gated else 80, gated)
+    assert torch.equal(small, kernel)
+
+
+def test_bf16_model_computing_in_fp32_runs_the_stack_on_the_kernel(make_tiny_model, runner_logits):
+    """`matmul_dtype="float32"` on a bf16 model (what "auto" picks on a CPU without native
+    bf16): the one-call layer stack applies, its linears take the packed kernel on fp32
+    activations, and its logits match the eager fp32-compute reference."""
+    from radixlm.runtime import model_runner as mr
+
+    model_dir = make_tiny_model("llama", 7, hidden_size=128, num_attention_heads=4,
+                                num_key_value_heads=2)  # fmt: skip
+    kw = dict(attention_backend="cpu", matmul_dtype="float32")
+    cfg = CacheConfig(page_size=16, num_pages=8)
+    compiled = mr.ModelRunner(model_dir, "bfloat16", torch.device("cpu"), cfg, **kw)
+    assert compiled.compute_dtype == torch.float32
+    stack = compiled.model.stack
+    assert stack is not None and len(stack.packed) == 4 * 2
+    assert "on fp32 activations" in compiled.linear_method
+    eager = mr.ModelRunner(
+        model_dir, "bfloat16", torch.device("cpu"), cfg, enforce_eager=True, **kw
+    )
+    a = runner_logits(compiled, (7, 20, 1, 1, 1), 4)
+    b = runner_logits(eager, (7, 20, 1, 1, 1), 4)
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=1e-2)  # bf16 K/V, q rounded apart
