@@ -306,13 +306,15 @@ class ModelRunner:
             pack_linears(model, lowp, bf16_kernel=bf16_kernel_supported())
             move_weights_to_huge_pages(model)  # before the stack keeps references to them
             linears = "onednn-prepacked"
-            kernel = [m for m in model.modules() if getattr(m, "weight_bf16", None) is not None]
-            if kernel:
-                most = kernel[0].bf16_max_rows
+            kernel = next(
+                (m for m in model.modules() if getattr(m, "weight_bf16", None) is not None), None
+            )
+            if kernel is not None:
+                most = kernel.bf16_max_rows
                 linears = "radixlm bf16 packed" + (
                     "" if most >= sys.maxsize else f" (inputs of <= {most} rows; oneDNN above)"
                 )
-                if kernel[0].kernel_dtype == torch.float32:
+                if kernel.kernel_dtype == torch.float32:
                     linears += " on fp32 activations"
             from radixlm.runtime.models.cpu_stack import CpuDecoderStack
 

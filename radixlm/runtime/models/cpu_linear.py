@@ -233,7 +233,7 @@ def pack_linears(
     `act == "silu"`) is packed gated (the module then returns silu(gate) * up; the MLP sees
     `gated`). NOTE: call after the weights are loaded and tied."""
     keep = bf16_kernel and lowp is None
-    # bf16 weights take oneDNN (for every row count or past the kernel's) only where it packs them
+    # bf16 weights are packed only where oneDNN can reorder them or the bf16 kernel takes every row
     dtypes = (torch.float32,)
     if onednn_packs_bf16() or (keep and linear_bf16_max_rows() >= sys.maxsize):
         dtypes += (torch.bfloat16,)
