@@ -1,10 +1,13 @@
 """radixlm's packed linear on fp32 activations (`kernels/cpu/linear_bf16.cpp`, AVX2 + FMA): the
-path CPUs without native bf16 take for few-row inputs (they compute in fp32 on a bf16 weight
-copy). Against a float64 product (row counts across the pass splits, N / K tails, odd K, bias),
-batch invariance, the gated epilogue against `silu_and_mul`, `PackedLinear`'s choice between it
-and oneDNN's fp32 GEMM, and a bf16 model computing in fp32 whose one-call layer stack takes it."""
+path CPUs without native bf16 take at every row count (they compute in fp32 on a bf16 weight
+copy). Against a float64 product (row counts across the few-row passes, the 6-row blocks and the
+row chunks of the blocked kernel; N / K tails, odd K, K blocks; bias), batch invariance across
+both kernels, the gated epilogue against `silu_and_mul`, `PackedLinear` keeping no oneDNN copy,
+and a bf16 model computing in fp32 whose one-call layer stack takes it."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -30,9 +33,11 @@ def _linear(x, w, b=None, gated=False):
     return op.linear_bf16(x, op.pack_bf16_linear(w, gated), b, n, gated)
 
 
-@pytest.mark.parametrize("n,k", [(16, 64), (960, 576), (577, 100), (15, 33), (3, 1536), (40, 7)])
+@pytest.mark.parametrize(
+    "n,k", [(16, 64), (960, 576), (577, 100), (15, 33), (3, 1536), (40, 7), (50, 517)]
+)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 11, 16, 17, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 8, 11, 12, 13, 16, 17, 40, 211])
 def test_fp32_linear_matches_a_float64_product(n, k, bias, m):
     gen = torch.Generator().manual_seed(n + k + m)
     x = torch.randn(m, k, generator=gen)
@@ -44,16 +49,16 @@ def test_fp32_linear_matches_a_float64_product(n, k, bias, m):
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * k**0.5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("n,k", [(960, 576), (577, 101), (3, 33)])
+@pytest.mark.parametrize("n,k", [(960, 576), (577, 101), (3, 33), (40, 517)])
 def test_fp32_rows_do_not_depend_on_the_batch(n, k):
-    """Every output is one fp32 sum over K pairs in order whatever the pass: a row's output is
-    bit-identical alone and in any batch."""
+    """Every output is one fp32 FMA chain over k in order in both kernels (few-row passes, 6-row
+    blocks): a row's output is bit-identical alone and in any batch."""
     gen = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen)
     op = _op()
     wp = op.pack_bf16_linear(w)
-    for m in [*range(2, 18), 33]:
+    for m in [*range(2, 18), 33, 200]:
         x = torch.randn(m, k, generator=gen)
         alone = torch.cat([op.linear_bf16(x[i : i + 1], wp, b, n) for i in range(m)])
         assert torch.equal(op.linear_bf16(x, wp, b, n), alone), m
@@ -61,7 +66,7 @@ def test_fp32_rows_do_not_depend_on_the_batch(n, k):
 
 @pytest.mark.parametrize("inter,k", [(1536, 576), (40, 33), (7, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 8, 13])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 100])
 def test_fp32_gated_equals_silu_and_mul_after_the_projection(inter, k, bias, m):
     gen = torch.Generator().manual_seed(inter + k + m)
     x = torch.randn(m, k, generator=gen)
@@ -86,28 +91,26 @@ def test_fp32_linear_of_no_rows_and_bad_inputs():
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_packed_linear_computing_in_fp32_takes_the_kernel_for_few_rows(gated):
-    """An fp32 linear of a bf16 model on a CPU computing in fp32 (`lowp` bf16): inputs of at
-    most `linear_bf16_fp32_max_rows()` rows run the kernel on the bf16 copy, the rest oneDNN's
-    fp32 GEMM; no other low-precision copy is kept."""
-    if not cpu_linear.onednn_available():
-        pytest.skip("torch built without oneDNN")
+def test_packed_linear_computing_in_fp32_takes_the_kernel_at_every_row_count(gated):
+    """An fp32 linear of a bf16 model on a CPU computing in fp32 (`lowp` bf16): inputs of every
+    row count run the kernel on the bf16 copy; neither oneDNN's fp32 copy nor another
+    low-precision copy is kept."""
     torch.manual_seed(0)
     lin = nn.Linear(96, 2 * 40 if gated else 80).to(torch.bfloat16).float()
     packed = PackedLinear(lin, lowp=torch.bfloat16, gated=gated)
-    most = linear_bf16_fp32_max_rows()
+    assert linear_bf16_fp32_max_rows() == sys.maxsize
     assert packed.weight_bf16 is not None and packed.weight_lowp is None
-    assert packed.kernel_dtype == torch.float32 and packed.bf16_max_rows == most
-    assert packed.packed is not None and packed.gated == gated
-    x = torch.randn(most + 9, 96)
-    for rows in (1, most, most + 9):
+    assert packed.kernel_dtype == torch.float32 and packed.bf16_max_rows == sys.maxsize
+    assert packed.packed is None and packed.gated == gated
+    x = torch.randn(300, 96)
+    for rows in (1, 12, 13, 300):
         ref = lin(x[:rows])
         if gated:
             ref = F.silu(ref[:, :40]) * ref[:, 40:]
-        torch.testing.assert_close(packed(x[:rows]), ref, atol=1e-4, rtol=1e-4)
-    small = packed(x[:most])
-    kernel = _op().linear_bf16(x[:most], packed.weight_bf16, lin.bias, 40 if gated else 80, gated)
-    assert torch.equal(small, kernel)
+        out = packed(x[:rows])
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        n = 40 if gated else 80
+        assert torch.equal(out, _op().linear_bf16(x[:rows], packed.weight_bf16, lin.bias, n, gated))
 
 
 def test_bf16_model_computing_in_fp32_runs_the_stack_on_the_kernel(make_tiny_model, runner_logits):

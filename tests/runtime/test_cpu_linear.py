@@ -51,11 +51,13 @@ def test_engine_on_a_cpu_without_bf16_keeps_a_bf16_kv_cache(monkeypatch, tiny_ll
     assert r.compute_dtype == torch.float32
     assert r.kv_cache.k_buffers[0].dtype == torch.bfloat16
     down = r.model.layers[0].mlp.down_proj
-    if cpu_linear.onednn_available():  # the compiled forward: packed fp32 + a bf16 copy
-        assert isinstance(down, cpu_linear.PackedLinear) and down.packed.dtype == torch.float32
-        if cpu_linear.linear_bf16_fp32_max_rows() > 0:  # radixlm's kernel on a packed copy
+    if cpu_linear.onednn_available():  # the compiled forward
+        assert isinstance(down, cpu_linear.PackedLinear)
+        if cpu_linear.linear_bf16_fp32_max_rows() > 0:  # radixlm's kernel on a packed bf16 copy
             assert down.weight_bf16 is not None and down.weight_lowp is None
-        else:
+            assert down.packed is None  # it takes every row count: no oneDNN copy
+        else:  # oneDNN's packed fp32 + a bf16 copy for few rows
+            assert down.packed.dtype == torch.float32
             assert down.weight_lowp.dtype == torch.bfloat16
     else:
         assert isinstance(down, cpu_linear.SmallRowsLowpLinear)

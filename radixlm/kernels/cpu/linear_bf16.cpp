@@ -25,14 +25,15 @@
 //   the two ops in sequence (tested).
 //
 // - fp32 activations (CPUs without native bf16, which compute in fp32: `matmul_dtype` "auto"),
-//   on any AVX2 + FMA CPU: the same packed weight, each 8-output half of a 64-byte K-pair run
-//   widened to fp32 in registers (w[n, k] = pair << 16, w[n, k + 1] = pair & 0xffff0000: exact),
-//   per row two FMAs per pair and vector of 8 outputs, fp32 out. It streams half the bytes of an
-//   fp32 weight, which is what a few-row (decode) product is bound by; above
-//   `linear_bf16_fp32_max_rows()` rows (compute-bound) the callers take oneDNN's fp32 GEMM.
-//   Every output is the sum over even k plus the sum over odd k, each an fp32 FMA chain in k
-//   order: batch-invariant like the bf16 path; gated, silu(g) * u in fp32 (the numerics
-//   of `silu_and_mul` on fp32).
+//   on any AVX2 + FMA CPU, at every row count: the same packed weight, each K pair widened to
+//   fp32 exactly (w[n, k] = pair << 16, w[n, k + 1] = pair & 0xffff0000), fp32 out. Few rows
+//   (decode): widened in registers, streaming half the bytes of an fp32 weight, which is what
+//   they are bound by. More rows (prefill, compute-bound): each half tile widened once per K
+//   block into an L1 buffer and multiplied by 6-row x 16-output register blocks, faster than
+//   oneDNN's fp32 GEMM on its own packed fp32 copy (measured on an AVX2 EPYC, README), which
+//   is then not kept at all. Every output is one fp32 FMA chain over k in order in both
+//   kernels: batch-invariant like the bf16 path; gated, silu(g) * u in fp32 (the numerics of
+//   `silu_and_mul` on fp32).
 //
 // NOTE: no floating-point contraction in the epilogue (the shared numerics of vec.h).
 #pragma GCC optimize("fp-contract=off")
@@ -145,112 +146,267 @@ void linear_packed(const uint32_t* x, const uint16_t* w, const float* bias, uint
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The fp32-activation path (see the header). A pass takes 2 rows: 8 accumulators (the even and
-// the odd k of each pair summed apart, so each FMA chain advances once per pair and the FMA
-// latency never binds; 3 rows spill registers and measured slower) + 2 weight vectors + 2
-// broadcasts.
-constexpr int64_t PASS_ROWS_F32 = 2;
-// Passes per work item (at most 16 rows): their accumulators live on the stack.
-constexpr int64_t ITEM_PASSES_F32 = 8;
+// The fp32-activation path (see the header). Every output is one FMA chain over k in order
+// (w[n, k] * x[k] added to the running sum), whichever kernel computes it, so a row's output is
+// the same bits at every row count of the call:
+// - few rows (`kFewRowsF32`): each K pair widened in registers; passes of 4 rows over a half tile
+//   (16 outputs: 8 accumulators, each advanced by two dependent FMAs per pair, which is what the
+//   FMA latency allows at 2 FMAs a cycle; 4 widening ops per 16 FMAs), the last 1-3 rows in
+//   passes of at most 2 over the whole tile (32 outputs, the same 8 accumulators);
+// - more rows: per K block, one half tile widened once into an L1 buffer [KC_F32, 16] fp32,
+//   then a 6-row x 16-output register block (12 accumulators) per 6 rows, each accumulator
+//   loaded from and stored to the item's running sums between K blocks (the chain continues
+//   unchanged).
+constexpr int64_t kFewRowsF32 = 32;  // at most this many rows: the few-row passes (measured)
+constexpr int64_t KC_F32 = 256;      // k per block: a [256, 16] fp32 buffer is 16 KB
+constexpr int64_t MC_F32 = 96;       // rows per work item (their running sums: 12 KB)
 
-// Rows [0, R) of x (fp32, row stride xs) against outputs [16 s, 16 s + 16) of one tile `w`
-// ([KP, 64]: half s of each 64-bf16 K-pair run); acc[r] gets the 16 fp32 sums (no bias): per
-// output, the sum over even k plus the sum over odd k, each in k order. `pf` (or null): the
-// same half of the next tile, prefetched line by line meanwhile.
+// Rows [0, R) of x (row stride xs) against one whole tile w ([KP, 64]); acc[r][j]: output j of
+// the tile (no bias). `pf` (or null): the next tile, prefetched line by line meanwhile.
 template <int R>
-inline void half_tile_rows(const float* x, int64_t xs, const uint16_t* w, int64_t KP, int64_t K,
-                           int s, float (*acc)[16], const uint16_t* pf) {
-  __m256 ae[R][2], ao[R][2];
-  for (int r = 0; r < R; ++r) ae[r][0] = ae[r][1] = ao[r][0] = ao[r][1] = _mm256_setzero_ps();
+inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t K,
+                          float (*acc)[TILE_N], const uint16_t* pf) {
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t full = K / 2;  // pairs with both k and k + 1 inside x's row
+  const uint16_t* wp = w;
+  for (int64_t kp = 0; kp < full; ++kp, wp += TILE_PAIR) {
+    if (pf != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR + 32), _MM_HINT_T0);
+    }
+    __m256i wv[4];  // outputs [8 j, 8 j + 8), each lane the pair (k, k + 1)
+    for (int j = 0; j < 4; ++j)
+      wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(x + r * xs + 2 * kp);
+      for (int j = 0; j < 4; ++j)
+        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv[j], 16)), xe, a[r][j]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * kp + 1);
+      for (int j = 0; j < 4; ++j)
+        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv[j], hi)), xo, a[r][j]);
+    }
+  }
+  if (full < (K + 1) / 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
+    for (int j = 0; j < 4; ++j) {
+      const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
+      for (int r = 0; r < R; ++r)
+        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wj, 16)),
+                                  _mm256_broadcast_ss(x + r * xs + 2 * full), a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc[r] + 8 * j, a[r][j]);
+}
+
+// Rows [0, 4) of x (row stride xs) against half s of one tile w ([KP, 64]: outputs [16 s,
+// 16 s + 16)); acc[r][16 s + j]: output 16 s + j (no bias). `pf` (or null): the same half of the
+// next tile, prefetched line by line meanwhile. Named accumulators (GCC keeps arrays of this
+// many vectors on the stack).
+inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_t K, int s,
+                           float (*acc)[TILE_N], const uint16_t* pf) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+  __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t full = K / 2;
   const uint16_t* wp = w + 32 * s;
   if (pf != nullptr) pf += 32 * s;
+  // 4 rows times two 8-output vectors: w0 / w1 widened (k: v << 16; k + 1: v & hi), x[r, k]
+#define RLM_FMA4(v0, v1, off)                                                 \
+  {                                                                           \
+    __m256 xv = _mm256_broadcast_ss(xk + (off));                              \
+    a00 = _mm256_fmadd_ps(v0, xv, a00), a01 = _mm256_fmadd_ps(v1, xv, a01);   \
+    xv = _mm256_broadcast_ss(xk + xs + (off));                                \
+    a10 = _mm256_fmadd_ps(v0, xv, a10), a11 = _mm256_fmadd_ps(v1, xv, a11);   \
+    xv = _mm256_broadcast_ss(xk + 2 * xs + (off));                            \
+    a20 = _mm256_fmadd_ps(v0, xv, a20), a21 = _mm256_fmadd_ps(v1, xv, a21);   \
+    xv = _mm256_broadcast_ss(xk + 3 * xs + (off));                            \
+    a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);   \
+  }
   for (int64_t kp = 0; kp < full; ++kp, wp += TILE_PAIR) {
     if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR), _MM_HINT_T0);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+    const float* xk = x + 2 * kp;
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    RLM_FMA4(e0, e1, 0)
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+    RLM_FMA4(o0, o1, 1)
+  }
+  if (full < (K + 1) / 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+    const float* xk = x + 2 * full;
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    RLM_FMA4(e0, e1, 0)
+  }
+#undef RLM_FMA4
+  float* c = acc[0] + 16 * s;
+  _mm256_storeu_ps(c, a00), _mm256_storeu_ps(c + 8, a01);
+  _mm256_storeu_ps(c + TILE_N, a10), _mm256_storeu_ps(c + TILE_N + 8, a11);
+  _mm256_storeu_ps(c + 2 * TILE_N, a20), _mm256_storeu_ps(c + 2 * TILE_N + 8, a21);
+  _mm256_storeu_ps(c + 3 * TILE_N, a30), _mm256_storeu_ps(c + 3 * TILE_N + 8, a31);
+}
+
+// Half s of one tile, k in [k0, k1) (k0 even), widened to fp32: buf[k - k0][j] = w[16 s + j, k].
+inline void widen_half(const uint16_t* w, int s, int64_t k0, int64_t k1, float* buf) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t k = k0; k < k1; k += 2) {
+    const uint16_t* wp = w + (k / 2) * TILE_PAIR + 32 * s;
+    float* b = buf + (k - k0) * 16;
     for (int j = 0; j < 2; ++j) {
       const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
-      const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(wj, 16));
-      const __m256 o = _mm256_castsi256_ps(_mm256_and_si256(wj, hi));
-      for (int r = 0; r < R; ++r) {
-        ae[r][j] = _mm256_fmadd_ps(e, _mm256_broadcast_ss(x + r * xs + 2 * kp), ae[r][j]);
-        ao[r][j] = _mm256_fmadd_ps(o, _mm256_broadcast_ss(x + r * xs + 2 * kp + 1), ao[r][j]);
-      }
+      _mm256_storeu_ps(b + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(wj, 16)));
+      if (k + 1 < k1) _mm256_storeu_ps(b + 16 + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(wj, hi)));
     }
-  }
-  if (full < KP) {  // odd K: the last pair's k + 1 is zero padding in w and absent from x
-    for (int j = 0; j < 2; ++j) {
-      const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
-      const __m256 e = _mm256_castsi256_ps(_mm256_slli_epi32(wj, 16));
-      for (int r = 0; r < R; ++r)
-        ae[r][j] = _mm256_fmadd_ps(e, _mm256_broadcast_ss(x + r * xs + 2 * full), ae[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(acc[r], _mm256_add_ps(ae[r][0], ao[r][0]));
-    _mm256_storeu_ps(acc[r] + 8, _mm256_add_ps(ae[r][1], ao[r][1]));
   }
 }
 
-// Rows [m0, m1) of x (at most ITEM_PASSES_F32 passes) against one tile: y[r, n0 + j] for the
-// tile's outputs (row stride N); gated: half 0 is the gate, half 1 the up projection of outputs
-// [n0, n0 + 16). Each half is read from memory by the first pass and from L1 by the rest, which
-// prefetch the next tile's half (`next`, or null) meanwhile.
-template <bool Gated>
-void tile_f32(const float* x, int64_t xs, const uint16_t* w, const uint16_t* next, int64_t KP,
-              int64_t K, const float* bias, float* y, int64_t N, int64_t n0, int64_t m0,
-              int64_t m1) {
-  float acc[2][ITEM_PASSES_F32 * PASS_ROWS_F32][16];
-  const int halves = Gated || n0 + 16 < N ? 2 : 1;
-  for (int s = 0; s < halves; ++s) {
-    for (int64_t m = m0; m < m1; m += PASS_ROWS_F32) {
-      const uint16_t* pf = m == m0 + PASS_ROWS_F32 ? next : nullptr;
-      if (m + 2 <= m1)
-        half_tile_rows<2>(x + m * xs, xs, w, KP, K, s, acc[s] + (m - m0), pf);
-      else
-        half_tile_rows<1>(x + m * xs, xs, w, KP, K, s, acc[s] + (m - m0), pf);
-    }
+// Rows [0, R) (R <= 6) x 16 outputs over kn k of `buf` ([kn, 16]) and x (row stride xs, already
+// offset to the block's first k); c: the running sums (row stride ldc), zero first when `First`.
+// Named accumulators: GCC keeps an array of 12 vectors on the stack.
+#define RLM_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+template <int R, bool First>
+inline void block_rows_f32(const float* x, int64_t xs, const float* buf, int64_t kn, float* c,
+                           int64_t ldc) {
+#define RLM_DECL(i)                                   \
+  __m256 a##i##0, a##i##1;                            \
+  if constexpr (i < R) {                              \
+    if constexpr (First) {                            \
+      a##i##0 = a##i##1 = _mm256_setzero_ps();        \
+    } else {                                          \
+      a##i##0 = _mm256_loadu_ps(c + i * ldc);         \
+      a##i##1 = _mm256_loadu_ps(c + i * ldc + 8);     \
+    }                                                 \
   }
+  RLM_ROWS6(RLM_DECL)
+#undef RLM_DECL
+  const float* xk = x;
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kn; ++k, ++xk) {
+    const __m256 b0 = _mm256_loadu_ps(buf + 16 * k), b1 = _mm256_loadu_ps(buf + 16 * k + 8);
+#define RLM_STEP(i)                                         \
+  if constexpr (i < R) {                                    \
+    const __m256 xv = _mm256_broadcast_ss(xk + i * xs);     \
+    a##i##0 = _mm256_fmadd_ps(b0, xv, a##i##0);             \
+    a##i##1 = _mm256_fmadd_ps(b1, xv, a##i##1);             \
+  }
+    RLM_ROWS6(RLM_STEP)
+#undef RLM_STEP
+  }
+#define RLM_STORE(i)                               \
+  if constexpr (i < R) {                           \
+    _mm256_storeu_ps(c + i * ldc, a##i##0);        \
+    _mm256_storeu_ps(c + i * ldc + 8, a##i##1);    \
+  }
+  RLM_ROWS6(RLM_STORE)
+#undef RLM_STORE
+}
+#undef RLM_ROWS6
+
+using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+template <bool First>
+BlockFn block_for(int64_t rows) {
+  switch (rows) {
+    case 1: return &block_rows_f32<1, First>;
+    case 2: return &block_rows_f32<2, First>;
+    case 3: return &block_rows_f32<3, First>;
+    case 4: return &block_rows_f32<4, First>;
+    case 5: return &block_rows_f32<5, First>;
+    default: return &block_rows_f32<6, First>;
+  }
+}
+
+// The tile's outputs from its running sums acc [rows, 32] (rows m0, m0 + 1, ...): bias added,
+// gated: silu(gate) * up (half 0 the gate, half 1 the up projection of outputs [n0, n0 + 16)).
+template <bool Gated>
+void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias, float* y,
+                     int64_t N, int64_t n0, int64_t m0) {
   if constexpr (Gated) {
     const int64_t cnt = std::min<int64_t>(16, N - n0);
     const vf bg = bias ? load_v(bias + n0, cnt) : vf{};
     const vf bu = bias ? load_v(bias + N + n0, cnt) : vf{};
-    for (int64_t r = 0; r < m1 - m0; ++r) {
-      const vf g = load_v(acc[0][r]) + bg, u = load_v(acc[1][r]) + bu;
+    for (int64_t r = 0; r < rows; ++r) {
+      const vf g = load_v(acc[r]) + bg, u = load_v(acc[r] + 16) + bu;
       store_v(y + (m0 + r) * N + n0, (g / (1.f + exp_v(-g))) * u, cnt);
     }
     return;
   }
-  for (int j = 0; j < halves; ++j) {
+  for (int j = 0; j < 2; ++j) {
     const int64_t n = n0 + 16 * j;
+    if (n >= N) break;
     const int64_t cnt = std::min<int64_t>(16, N - n);
     const vf bv = bias ? load_v(bias + n, cnt) : vf{};
-    for (int64_t r = 0; r < m1 - m0; ++r)
-      store_v(y + (m0 + r) * N + n, load_v(acc[j][r]) + bv, cnt);
+    for (int64_t r = 0; r < rows; ++r) store_v(y + (m0 + r) * N + n, load_v(acc[r] + 16 * j) + bv, cnt);
   }
 }
 
-// As `linear_packed`, for fp32 x [M, K] (row stride xs) and y [M, N]: work items are (tile,
-// chunk of at most ITEM_PASSES_F32 passes), tile-major.
+// As `linear_packed`, for fp32 x [M, K] (row stride xs) and y [M, N]. Few rows: work items are
+// tiles (row chunks of a multiple of 4 rows where the tiles alone are too few), each tile's rows in passes while
+// the next tile is prefetched. More rows: work items are (row chunk of at most MC_F32, tile),
+// chunk-major, so a thread walks the tiles for one chunk of rows (which stays in L2).
 template <bool Gated>
 void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const float* bias,
                        float* y, int64_t M, int64_t N, int64_t K, int64_t KP) {
   constexpr int64_t tile_out = Gated ? TILE_N / 2 : TILE_N;
   const int64_t NT = (N + tile_out - 1) / tile_out;
-  const int64_t passes = (M + PASS_ROWS_F32 - 1) / PASS_ROWS_F32;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
-  int64_t chunks = (passes + ITEM_PASSES_F32 - 1) / ITEM_PASSES_F32;
-  while (NT * chunks < want && chunks < passes) chunks *= 2;
-  chunks = std::min(chunks, passes);
-  const int64_t per_chunk = (passes + chunks - 1) / chunks;
+  if (M <= kFewRowsF32) {
+    int64_t chunks = 1;  // row chunks of a multiple of 4 rows, where the tiles alone are too few
+    while (NT * chunks < want && 4 * chunks < M) chunks *= 2;
+    const int64_t per = ((M + chunks - 1) / chunks + 3) / 4 * 4;
+    at::parallel_for(0, NT * chunks, 1, [&](int64_t i0, int64_t i1) {
+      float acc[kFewRowsF32][TILE_N];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / chunks, c = i % chunks;
+        const uint16_t* wt = w + t * KP * TILE_PAIR;
+        const uint16_t* next = i + 1 < i1 && t + 1 < NT ? wt + KP * TILE_PAIR : nullptr;
+        const int64_t m0 = std::min(M, c * per), m1 = std::min(M, (c + 1) * per);
+        const int64_t m4 = m0 + (m1 - m0) / 4 * 4;  // rows [m0, m4) in 4-row passes
+        for (int s = 0; s < 2; ++s)
+          for (int64_t m = m0; m < m4; m += 4)
+            half_rows4_f32(x + m * xs, xs, wt, K, s, acc + (m - m0), m == m0 ? next : nullptr);
+        for (int64_t m = m4; m < m1; m += 2) {
+          const uint16_t* pf = m == m0 ? next : nullptr;
+          if (m + 2 <= m1)
+            tile_rows_f32<2>(x + m * xs, xs, wt, K, acc + (m - m0), pf);
+          else
+            tile_rows_f32<1>(x + m * xs, xs, wt, K, acc + (m - m0), pf);
+        }
+        if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0);
+      }
+    });
+    return;
+  }
+  int64_t chunks = (M + MC_F32 - 1) / MC_F32;
+  while (NT * chunks < want && chunks * 6 < M) chunks *= 2;
+  const int64_t per = (M + chunks - 1) / chunks;  // rows per chunk (at most MC_F32)
   at::parallel_for(0, NT * chunks, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float buf[KC_F32 * 16];
+    alignas(64) float acc[MC_F32][TILE_N];
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / chunks, c = i % chunks;
+      const int64_t c = i / NT, t = i % NT;
       const uint16_t* wt = w + t * KP * TILE_PAIR;
-      const uint16_t* next = i + 1 < i1 && t + 1 < NT ? wt + KP * TILE_PAIR : nullptr;
-      const int64_t m0 = std::min(M, c * per_chunk * PASS_ROWS_F32);
-      const int64_t m1 = std::min(M, (c + 1) * per_chunk * PASS_ROWS_F32);
-      if (m0 < m1) tile_f32<Gated>(x, xs, wt, next, KP, K, bias, y, N, t * tile_out, m0, m1);
+      const int64_t m0 = std::min(M, c * per), m1 = std::min(M, (c + 1) * per);
+      for (int64_t k0 = 0; k0 < K; k0 += KC_F32) {
+        const int64_t k1 = std::min(K, k0 + KC_F32);
+        for (int s = 0; s < 2; ++s) {
+          widen_half(wt, s, k0, k1, buf);
+          for (int64_t m = m0; m < m1; m += 6) {
+            const int64_t r = std::min<int64_t>(6, m1 - m);
+            const BlockFn fn = k0 == 0 ? block_for<true>(r) : block_for<false>(r);
+            fn(x + m * xs + k0, xs, buf, k1 - k0, acc[m - m0] + 16 * s, TILE_N);
+          }
+        }
+      }
+      if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0);
     }
   });
 }
@@ -258,9 +414,6 @@ void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const floa
 
 #if defined(__AMX_BF16__)
 constexpr int64_t kAmxMaxRows = 8;
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kFp32MaxRows = 16;
 #endif
 
 }  // namespace
@@ -275,13 +428,11 @@ int64_t linear_bf16_max_rows() {
 #endif
 }
 
-// The same for fp32 inputs (CPUs without native bf16): every row count up to this one takes the
-// fp32-activation path, the rest oneDNN's fp32 GEMM on its own packed fp32 copy; 0 where the
-// build has no AVX2 + FMA. Measured on an AVX2 EPYC (2 threads, SmolLM2's layer linears): README,
-// "CPU matmuls: bf16 only where the CPU has it".
+// The same for fp32 inputs (CPUs without native bf16): every row count where the build has AVX2 +
+// FMA (the fp32-activation path), else 0.
 int64_t linear_bf16_fp32_max_rows() {
 #if defined(__AVX2__) && defined(__FMA__)
-  return kFp32MaxRows;
+  return std::numeric_limits<int64_t>::max();
 #else
   return 0;
 #endif
