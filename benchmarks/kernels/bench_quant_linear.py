@@ -11,8 +11,8 @@ bf16); `-torch` forces torch's `aten._weight_int8pack_mm` / `aten._weight_int4pa
 (asymmetric groups), bf16 `mkldnn._linear_pointwise` on a `_reorder_linear_weight` layout,
 `bf16-packed` radixlm's packed bf16 kernel (`linear_bf16.cpp`); `fp32` oneDNN's fp32 GEMM on an
 fp32 copy (what a CPU without native bf16 computes in), `fp32-packed` radixlm's packed kernel on
-fp32 activations over the bf16 weight (AVX2 + FMA; here at every row count, while the runtime
-sends it only `linear_bf16_fp32_max_rows()`); `-deq`: the runtime's large-row path
+fp32 activations over the bf16 weight (AVX2 + FMA; the runtime sends it every row count);
+`-deq`: the runtime's large-row path
 (the weight dequantized for the call, then `F.linear`). The kinds alternate within each
 iteration (an A/B in one run: a busy box slows them alike). Prints the CPU flags and the load
 average; ms per 120 linears (median of `--iters`), the bytes of weights (and scales) one pass
