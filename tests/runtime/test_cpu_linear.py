@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -53,9 +55,11 @@ def test_engine_on_a_cpu_without_bf16_keeps_a_bf16_kv_cache(monkeypatch, tiny_ll
     down = r.model.layers[0].mlp.down_proj
     if cpu_linear.onednn_available():  # the compiled forward
         assert isinstance(down, cpu_linear.PackedLinear)
-        if cpu_linear.linear_bf16_fp32_max_rows() > 0:  # radixlm's kernel on a packed bf16 copy
+        most = cpu_linear.linear_bf16_fp32_max_rows()
+        if most > 0:  # radixlm's kernel on a packed bf16 copy
             assert down.weight_bf16 is not None and down.weight_lowp is None
-            assert down.packed is None  # it takes every row count: no oneDNN copy
+            # every row count (AVX2): no oneDNN copy; with AVX-512F oneDNN's fp32 above
+            assert (down.packed is None) == (most == sys.maxsize)
         else:  # oneDNN's packed fp32 + a bf16 copy for few rows
             assert down.packed.dtype == torch.float32
             assert down.weight_lowp.dtype == torch.bfloat16

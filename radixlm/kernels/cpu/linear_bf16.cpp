@@ -25,7 +25,8 @@
 //   the two ops in sequence (tested).
 //
 // - fp32 activations (CPUs without native bf16, which compute in fp32: `matmul_dtype` "auto"),
-//   on any AVX2 + FMA CPU, at every row count: the same packed weight, each K pair widened to
+//   on any AVX2 + FMA CPU, at every row count (with AVX-512F, few rows only:
+//   `linear_bf16_fp32_max_rows()`): the same packed weight, each K pair widened to
 //   fp32 exactly (w[n, k] = pair << 16, w[n, k + 1] = pair & 0xffff0000), fp32 out. Few rows
 //   (decode): widened in registers, streaming half the bytes of an fp32 weight, which is what
 //   they are bound by. More rows (prefill, compute-bound): each half tile widened once per K
@@ -429,9 +430,13 @@ int64_t linear_bf16_max_rows() {
 }
 
 // The same for fp32 inputs (CPUs without native bf16): every row count where the build has AVX2 +
-// FMA (the fp32-activation path), else 0.
+// FMA but no AVX-512 (the fp32-activation path; measured on an AVX2 EPYC, README), else 0. With
+// AVX-512F (e.g. an AVX-512 CPU without AVX512_BF16) only the few-row passes: oneDNN's fp32 GEMM
+// has 16-lane FMAs there, twice the blocked kernel's 8 (not measured: no such machine here).
 int64_t linear_bf16_fp32_max_rows() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__)
+  return kFewRowsF32;
+#elif defined(__AVX2__) && defined(__FMA__)
   return std::numeric_limits<int64_t>::max();
 #else
   return 0;

@@ -4,7 +4,7 @@ There, oneDNN runs a bf16 GEMM by converting to fp32 on the fly: at 8+ rows it i
 an fp32 GEMM of the same shape (measured on an AVX2 EPYC: 64 x 576 x 3072, 16.5 ms vs 2.9 ms),
 while a 1-2 row product (a GEMV, memory-bound) is faster in bf16 (it reads half the bytes).
 `matmul_dtype="auto"` therefore computes in fp32: with the compiled forward, on the bf16 weights
-through radixlm's packed kernel at every row count (fp32 activations, each weight pair widened
+through radixlm's packed kernel (every row count on an AVX2 CPU; fp32 activations, each weight pair widened
 exactly in registers: `PackedLinear`); eager, on fp32 weights with a bf16 copy for the few-row
 case (`SmallRowsLowpLinear`). The KV cache keeps the model's dtype (bf16: half the attention
 traffic).
@@ -122,10 +122,12 @@ class PackedLinear(nn.Module):
     `silu(gate) * up` [T, I], SiLU-and-mul fused into the kernel's epilogue (oneDNN rows: the
     fused CPU op after it), with the numerics of the two ops in sequence.
 
-    With `lowp` bf16 (CPUs without native bf16 computing in fp32), inputs of every row count
-    (`linear_bf16_fp32_max_rows()`) run the packed kernel's fp32-activation path on a bf16 copy
-    of the weight (AVX2 + FMA: half the bytes an fp32 GEMV streams, and faster than oneDNN's
-    fp32 GEMM at prefill sizes), and no oneDNN copy is kept; where that path is not built,
+    With `lowp` bf16 (CPUs without native bf16 computing in fp32), inputs of up to
+    `linear_bf16_fp32_max_rows()` rows run the packed kernel's fp32-activation path on a bf16
+    copy of the weight (AVX2 + FMA: half the bytes an fp32 GEMV streams, and as fast as oneDNN's
+    fp32 GEMM at prefill sizes): every row count without AVX-512, and then no oneDNN copy is
+    kept; with AVX-512F the few-row passes, oneDNN's fp32 GEMM above. Where that path is not
+    built,
     oneDNN's fp32 GEMM, with inputs of at most `SMALL_ROWS` rows multiplying a low-precision
     copy instead, as `SmallRowsLowpLinear` does.
     NOTE: holds no `weight` parameter: the packed copies replace it (the tied embedding keeps
@@ -212,7 +214,9 @@ def linear_bf16_max_rows() -> int:
 @functools.cache
 def linear_bf16_fp32_max_rows() -> int:
     """fp32 inputs of at most this many rows take radixlm's packed kernel on a bf16 weight copy
-    (`linear_bf16.cpp`, AVX2 + FMA): every count (`sys.maxsize`); 0 where it is not built."""
+    (`linear_bf16.cpp`, AVX2 + FMA): every count (`sys.maxsize`) without AVX-512, the few-row
+    passes' 32 with AVX-512F (oneDNN's fp32 GEMM has 16-lane FMAs there); 0 where it is not
+    built."""
     op = _op()
     return min(int(op.linear_bf16_fp32_max_rows()), sys.maxsize) if op is not None else 0
 
