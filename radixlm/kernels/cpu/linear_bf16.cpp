@@ -158,6 +158,14 @@ void linear_packed(const uint32_t* x, const uint16_t* w, const float* bias, uint
 //   then a 6-row x 16-output register block (12 accumulators) per 6 rows, each accumulator
 //   loaded from and stored to the item's running sums between K blocks (the chain continues
 //   unchanged).
+// A vector of 8 K pairs (k, k + 1) of bf16 widened exactly to fp32: the k values, the k + 1
+// values. The one copy of the widening all the fp32 kernels below use.
+inline __m256 pair_lo(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 pair_hi(__m256i v) {
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+}
+
 constexpr int64_t kFewRowsF32 = 32;  // at most this many rows: the few-row passes (measured)
 constexpr int64_t KC_F32 = 256;      // k per block: a [256, 16] fp32 buffer is 16 KB
 constexpr int64_t MC_F32 = 96;       // rows per work item (their running sums: 12 KB)
@@ -170,7 +178,6 @@ inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
   __m256 a[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t full = K / 2;  // pairs with both k and k + 1 inside x's row
   const uint16_t* wp = w;
   for (int64_t kp = 0; kp < full; ++kp, wp += TILE_PAIR) {
@@ -184,20 +191,19 @@ inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
     for (int r = 0; r < R; ++r) {
       const __m256 xe = _mm256_broadcast_ss(x + r * xs + 2 * kp);
       for (int j = 0; j < 4; ++j)
-        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wv[j], 16)), xe, a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(pair_lo(wv[j]), xe, a[r][j]);
     }
     for (int r = 0; r < R; ++r) {
       const __m256 xo = _mm256_broadcast_ss(x + r * xs + 2 * kp + 1);
       for (int j = 0; j < 4; ++j)
-        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wv[j], hi)), xo, a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(pair_hi(wv[j]), xo, a[r][j]);
     }
   }
-  if (full < (K + 1) / 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
+  if (K % 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
     for (int j = 0; j < 4; ++j) {
       const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
       for (int r = 0; r < R; ++r)
-        a[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wj, 16)),
-                                  _mm256_broadcast_ss(x + r * xs + 2 * full), a[r][j]);
+        a[r][j] = _mm256_fmadd_ps(pair_lo(wj), _mm256_broadcast_ss(x + r * xs + 2 * full), a[r][j]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -212,11 +218,10 @@ inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_
                            float (*acc)[TILE_N], const uint16_t* pf) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
   __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const int64_t full = K / 2;
   const uint16_t* wp = w + 32 * s;
   if (pf != nullptr) pf += 32 * s;
-  // 4 rows times two 8-output vectors: w0 / w1 widened (k: v << 16; k + 1: v & hi), x[r, k]
+  // 4 rows times two 8-output vectors: w0 / w1 widened (k: pair_lo, k + 1: pair_hi), x[r, k]
 #define RLM_FMA4(v0, v1, off)                                                 \
   {                                                                           \
     __m256 xv = _mm256_broadcast_ss(xk + (off));                              \
@@ -229,23 +234,21 @@ inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_
     a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);   \
   }
   for (int64_t kp = 0; kp < full; ++kp, wp += TILE_PAIR) {
-    if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR), _MM_HINT_T0);
+    if (pf != nullptr)
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR), _MM_HINT_T0);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
     const float* xk = x + 2 * kp;
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    const __m256 e0 = pair_lo(w0), e1 = pair_lo(w1);
     RLM_FMA4(e0, e1, 0)
-    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
-    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+    const __m256 o0 = pair_hi(w0), o1 = pair_hi(w1);
     RLM_FMA4(o0, o1, 1)
   }
-  if (full < (K + 1) / 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
+  if (K % 2) {  // odd K: the last pair's k + 1 is zero padding in w, absent from x
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
     const float* xk = x + 2 * full;
-    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
-    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    const __m256 e0 = pair_lo(w0), e1 = pair_lo(w1);
     RLM_FMA4(e0, e1, 0)
   }
 #undef RLM_FMA4
@@ -258,14 +261,13 @@ inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_
 
 // Half s of one tile, k in [k0, k1) (k0 even), widened to fp32: buf[k - k0][j] = w[16 s + j, k].
 inline void widen_half(const uint16_t* w, int s, int64_t k0, int64_t k1, float* buf) {
-  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = k0; k < k1; k += 2) {
     const uint16_t* wp = w + (k / 2) * TILE_PAIR + 32 * s;
     float* b = buf + (k - k0) * 16;
     for (int j = 0; j < 2; ++j) {
       const __m256i wj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16 * j));
-      _mm256_storeu_ps(b + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(wj, 16)));
-      if (k + 1 < k1) _mm256_storeu_ps(b + 16 + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(wj, hi)));
+      _mm256_storeu_ps(b + 8 * j, pair_lo(wj));
+      if (k + 1 < k1) _mm256_storeu_ps(b + 16 + 8 * j, pair_hi(wj));
     }
   }
 }
@@ -345,14 +347,16 @@ void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias
     if (n >= N) break;
     const int64_t cnt = std::min<int64_t>(16, N - n);
     const vf bv = bias ? load_v(bias + n, cnt) : vf{};
-    for (int64_t r = 0; r < rows; ++r) store_v(y + (m0 + r) * N + n, load_v(acc[r] + 16 * j) + bv, cnt);
+    for (int64_t r = 0; r < rows; ++r)
+      store_v(y + (m0 + r) * N + n, load_v(acc[r] + 16 * j) + bv, cnt);
   }
 }
 
 // As `linear_packed`, for fp32 x [M, K] (row stride xs) and y [M, N]. Few rows: work items are
-// tiles (row chunks of a multiple of 4 rows where the tiles alone are too few), each tile's rows in passes while
-// the next tile is prefetched. More rows: work items are (row chunk of at most MC_F32, tile),
-// chunk-major, so a thread walks the tiles for one chunk of rows (which stays in L2).
+// tiles (row chunks of a multiple of 4 rows where the tiles alone are too few), each tile's rows
+// in passes while the next tile is prefetched. More rows: work items are (row chunk of at most
+// MC_F32, tile), chunk-major, so a thread walks the tiles for one chunk of rows (which stays in
+// L2).
 template <bool Gated>
 void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const float* bias,
                        float* y, int64_t M, int64_t N, int64_t K, int64_t KP) {

@@ -4,8 +4,8 @@ There, oneDNN runs a bf16 GEMM by converting to fp32 on the fly: at 8+ rows it i
 an fp32 GEMM of the same shape (measured on an AVX2 EPYC: 64 x 576 x 3072, 16.5 ms vs 2.9 ms),
 while a 1-2 row product (a GEMV, memory-bound) is faster in bf16 (it reads half the bytes).
 `matmul_dtype="auto"` therefore computes in fp32: with the compiled forward, on the bf16 weights
-through radixlm's packed kernel (every row count on an AVX2 CPU; fp32 activations, each weight pair widened
-exactly in registers: `PackedLinear`); eager, on fp32 weights with a bf16 copy for the few-row
+through radixlm's packed kernel (every row count on an AVX2 CPU; fp32 activations, each weight
+pair widened exactly: `PackedLinear`); eager, on fp32 weights with a bf16 copy for the few-row
 case (`SmallRowsLowpLinear`). The KV cache keeps the model's dtype (bf16: half the attention
 traffic).
 """
@@ -127,9 +127,8 @@ class PackedLinear(nn.Module):
     copy of the weight (AVX2 + FMA: half the bytes an fp32 GEMV streams, and as fast as oneDNN's
     fp32 GEMM at prefill sizes): every row count without AVX-512, and then no oneDNN copy is
     kept; with AVX-512F the few-row passes, oneDNN's fp32 GEMM above. Where that path is not
-    built,
-    oneDNN's fp32 GEMM, with inputs of at most `SMALL_ROWS` rows multiplying a low-precision
-    copy instead, as `SmallRowsLowpLinear` does.
+    built, oneDNN's fp32 GEMM, with inputs of at most `SMALL_ROWS` rows multiplying a
+    low-precision copy instead, as `SmallRowsLowpLinear` does.
     NOTE: holds no `weight` parameter: the packed copies replace it (the tied embedding keeps
     its own)."""
 
