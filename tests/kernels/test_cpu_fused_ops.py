@@ -2,10 +2,12 @@
 torch twins in `radixlm.kernels.reference`: RMSNorm with and without the residual add, RoPE in
 place on strided q/k views, SiLU-and-mul, and the K/V store; fp32 / bf16 / fp16, row counts
 1..600 (one thread and the parallel path), hidden sizes that are and are not multiples of the
-16-float vector. Bad input is a clear error."""
+16-float vector; the float32 RMSNorm bit for bit against its sum in the op's stated order (the same
+on AVX2 and AVX-512 builds). Bad input is a clear error."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,6 +35,31 @@ def test_rms_norm(dtype: torch.dtype, rows: int, hidden: int) -> None:
     x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
     w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("hidden", [576, 72, 40, 13])
+def test_rms_norm_sums_in_sixteen_lanes_bit_for_bit(hidden: int) -> None:
+    """vec.h's `Sum16` order, emulated in numpy float32: lane l sums x[16 b + l]^2 over blocks b,
+    then the 16 lanes in order. The op's result is these bits whatever its vector width (8 lanes
+    on AVX2, 16 with AVX-512), so a model computes the same on both kinds of CPU."""
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(4, hidden, generator=g) * 3
+    w = torch.rand(hidden, generator=g) + 0.5
+    eps = np.float32(1e-5)
+    want = np.empty((4, hidden), np.float32)
+    for r, row in enumerate(x.numpy()):
+        padded = np.zeros(-(-hidden // 16) * 16, np.float32)
+        padded[:hidden] = row
+        lanes = np.zeros(16, np.float32)
+        for b in range(len(padded) // 16):
+            block = padded[16 * b : 16 * b + 16]
+            lanes = lanes + block * block  # float32, elementwise: one rounding each
+        ss = np.float32(0)
+        for v in lanes:
+            ss = np.float32(ss + v)
+        inv = np.float32(1) / np.sqrt(np.float32(ss / np.float32(hidden) + eps))
+        want[r] = w.numpy() * (row * inv)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), torch.from_numpy(want), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

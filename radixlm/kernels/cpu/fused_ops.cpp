@@ -41,19 +41,29 @@ void rms_norm_rows(const T* x, int64_t xs, T* res, int64_t rs, const T* w, T* y,
       const T* xr = x + r * xs;
       T* rr = add ? res + r * rs : nullptr;
       float* b = buf.data();
-      vf acc{};
-      for (int64_t i = 0; i < h; i += W) {
-        const int64_t n = std::min<int64_t>(W, h - i);
+      auto load = [&](int64_t i, int64_t n) {  // x (plus the residual, stored) -> buf
         vf v = load_v(xr + i, n);
         if (add) {  // residual <- round(x + residual); normalize the residual
           v = round_v<T>(v + load_v(rr + i, n));
           store_v(rr + i, v, n);
         }
         store_v(b + i, v, n);
-        acc += v * v;
+        return v;
+      };
+      Sum16 acc;
+      int64_t i0 = 0;
+      for (; i0 + 16 <= h; i0 += 16) {
+#pragma GCC unroll 2
+        for (int j = 0; j < Sum16::kVecs; ++j) {
+          const vf v = load(i0 + j * W, W);
+          acc.v[j] += v * v;
+        }
       }
-      float ss = 0.f;
-      for (int i = 0; i < W; ++i) ss += acc[i];
+      for (int j = 0; i0 + j * W < h; ++j) {
+        const vf v = load(i0 + j * W, std::min<int64_t>(W, h - i0 - j * W));
+        acc.v[j] += v * v;
+      }
+      const float ss = acc.total();
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
       T* yr = y + r * ys;
       for (int64_t i = 0; i < h; i += W) {

@@ -212,10 +212,11 @@ inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
 
 // Rows [0, 4) of x (row stride xs) against half s of one tile w ([KP, 64]: outputs [16 s,
 // 16 s + 16)); acc[r][16 s + j]: output 16 s + j (no bias). `pf` (or null): the same half of the
-// next tile, prefetched line by line meanwhile. Named accumulators (GCC keeps arrays of this
-// many vectors on the stack).
+// next tile, whose lines of pairs pf_first, pf_first + pf_every, ... are prefetched meanwhile.
+// Named accumulators (GCC keeps arrays of this many vectors on the stack).
 inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_t K, int s,
-                           float (*acc)[TILE_N], const uint16_t* pf) {
+                           float (*acc)[TILE_N], const uint16_t* pf, int64_t pf_first,
+                           int64_t pf_every) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
   __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
   const int64_t full = K / 2;
@@ -233,9 +234,12 @@ inline void half_rows4_f32(const float* x, int64_t xs, const uint16_t* w, int64_
     xv = _mm256_broadcast_ss(xk + 3 * xs + (off));                            \
     a30 = _mm256_fmadd_ps(v0, xv, a30), a31 = _mm256_fmadd_ps(v1, xv, a31);   \
   }
+  int64_t pf_next = pf != nullptr ? pf_first : full;
   for (int64_t kp = 0; kp < full; ++kp, wp += TILE_PAIR) {
-    if (pf != nullptr)
+    if (kp == pf_next) {
       _mm_prefetch(reinterpret_cast<const char*>(pf + kp * TILE_PAIR), _MM_HINT_T0);
+      pf_next += pf_every;
+    }
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
     const float* xk = x + 2 * kp;
@@ -333,22 +337,25 @@ template <bool Gated>
 void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias, float* y,
                      int64_t N, int64_t n0, int64_t m0) {
   if constexpr (Gated) {
-    const int64_t cnt = std::min<int64_t>(16, N - n0);
-    const vf bg = bias ? load_v(bias + n0, cnt) : vf{};
-    const vf bu = bias ? load_v(bias + N + n0, cnt) : vf{};
-    for (int64_t r = 0; r < rows; ++r) {
-      const vf g = load_v(acc[r]) + bg, u = load_v(acc[r] + 16) + bu;
-      store_v(y + (m0 + r) * N + n0, (g / (1.f + exp_v(-g))) * u, cnt);
+    for (int64_t c = 0; c < 16; c += W) {
+      const int64_t n = n0 + c;
+      if (n >= N) break;
+      const int64_t cnt = std::min<int64_t>(W, N - n);
+      const vf bg = bias ? load_v(bias + n, cnt) : vf{};
+      const vf bu = bias ? load_v(bias + N + n, cnt) : vf{};
+      for (int64_t r = 0; r < rows; ++r) {
+        const vf g = load_v(acc[r] + c) + bg, u = load_v(acc[r] + 16 + c) + bu;
+        store_v(y + (m0 + r) * N + n, (g / (1.f + exp_v(-g))) * u, cnt);
+      }
     }
     return;
   }
-  for (int j = 0; j < 2; ++j) {
-    const int64_t n = n0 + 16 * j;
+  for (int64_t c = 0; c < TILE_N; c += W) {
+    const int64_t n = n0 + c;
     if (n >= N) break;
-    const int64_t cnt = std::min<int64_t>(16, N - n);
+    const int64_t cnt = std::min<int64_t>(W, N - n);
     const vf bv = bias ? load_v(bias + n, cnt) : vf{};
-    for (int64_t r = 0; r < rows; ++r)
-      store_v(y + (m0 + r) * N + n, load_v(acc[r] + 16 * j) + bv, cnt);
+    for (int64_t r = 0; r < rows; ++r) store_v(y + (m0 + r) * N + n, load_v(acc[r] + c) + bv, cnt);
   }
 }
 
@@ -375,9 +382,14 @@ void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const floa
         const uint16_t* next = i + 1 < i1 && t + 1 < NT ? wt + KP * TILE_PAIR : nullptr;
         const int64_t m0 = std::min(M, c * per), m1 = std::min(M, (c + 1) * per);
         const int64_t m4 = m0 + (m1 - m0) / 4 * 4;  // rows [m0, m4) in 4-row passes
+        // Q passes of 4 rows over each half: pass q prefetches the next tile's lines of pairs
+        // q, q + Q, ... of that half, so the next tile streams in over all of this tile's work
+        // (measured, AVX2 EPYC, 120 linears at 8 / 16 rows: ~8% faster than all of it in the
+        // first pass, which left the memory idle during the others).
+        const int64_t passes = (m4 - m0) / 4;
         for (int s = 0; s < 2; ++s)
           for (int64_t m = m0; m < m4; m += 4)
-            half_rows4_f32(x + m * xs, xs, wt, K, s, acc + (m - m0), m == m0 ? next : nullptr);
+            half_rows4_f32(x + m * xs, xs, wt, K, s, acc + (m - m0), next, (m - m0) / 4, passes);
         for (int64_t m = m4; m < m1; m += 2) {
           const uint16_t* pf = m == m0 ? next : nullptr;
           if (m + 2 <= m1)

@@ -211,11 +211,11 @@ double block_sums(const float* p, int64_t V, std::vector<double>& sums) {
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
-    vf acc{};
+    Sum16 acc;
     int64_t t = lo;
-    for (; t + W <= hi; t += W) acc += load_v(p + t);
-    double s = 0.0;
-    for (int k = 0; k < W; ++k) s += acc[k];
+    for (; t + 16 <= hi; t += 16)
+      for (int j = 0; j < Sum16::kVecs; ++j) acc.v[j] += load_v(p + t + j * W);
+    double s = acc.total<double>();
     for (; t < hi; ++t) s += p[t];
     sums[b] = s;
     total += s;

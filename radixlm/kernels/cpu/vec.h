@@ -1,7 +1,9 @@
-// 16-float vectors (GCC vector extensions: AVX-512 code for -march=native, two AVX2 halves
-// elsewhere) and the elementwise numerics the fused CPU ops share: loads / stores converting
-// from / to the activation dtype, rounding to it where the eager model materializes a tensor,
-// e^x. Header-only, inside an anonymous namespace of each including translation unit.
+// Float vectors of W lanes (GCC vector extensions: 16 lanes, one AVX-512 register, where the
+// translation unit has AVX-512F; 8 lanes, one AVX2 register, elsewhere: GCC lowers a 64-byte
+// vector without AVX-512 through the stack) and the elementwise numerics the fused CPU ops share:
+// loads / stores converting from / to the activation dtype, rounding to it where the eager model
+// materializes a tensor, e^x, and sums whose order (and so bits) is the same for every W.
+// Header-only, inside an anonymous namespace of each including translation unit.
 // NOTE: include after `#pragma GCC optimize("fp-contract=off")`: the eager model rounds its
 // multiplies and adds separately, and every op sharing these must compute them alike.
 #pragma once
@@ -30,17 +32,20 @@ inline float round_t<float>(float x) {
   return x;
 }
 
-// ---- 16-float vectors (GCC vector extensions: AVX-512 code for -march=native, two AVX2 halves
-// elsewhere). Loads and stores go through memcpy (no alignment assumed).
+// ---- W-float vectors. Loads and stores go through memcpy (no alignment assumed).
+#if defined(__AVX512F__)
 constexpr int W = 16;
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+#else
+constexpr int W = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
 // Unaligned views for direct vector loads / stores (a memcpy through a stack temporary stalls
 // store-to-load forwarding).
-typedef float vf_u __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t vh_u __attribute__((vector_size(32), aligned(2)));
+typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
+typedef uint16_t vh_u __attribute__((vector_size(2 * W), aligned(2)));
 
 inline vf splat(float x) { return vf{} + x; }
 
@@ -114,5 +119,21 @@ inline vf exp_v(vf x) {
   const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
   return y * reinterpret_cast<vf>(e);
 }
+
+// 16 running sums as 16 / W vectors: lane l of every 16-float block of a row goes to sum l
+// (vector v[j] holds the block's floats j * W .. j * W + W - 1), and `total` adds the 16 in lane
+// order, so a sum's order, and its bits, are the same for W = 8 and W = 16. Loop over a row in
+// blocks of 16 with an inner loop over j < kVecs (unrolled: the vectors stay in registers).
+struct Sum16 {
+  static constexpr int kVecs = 16 / W;
+  vf v[kVecs] = {};
+  template <typename Acc = float>
+  Acc total() const {
+    Acc s = 0;
+    for (int j = 0; j < kVecs; ++j)
+      for (int k = 0; k < W; ++k) s += v[j][k];
+    return s;
+  }
+};
 
 }  // namespace
