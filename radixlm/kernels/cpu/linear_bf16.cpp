@@ -219,6 +219,12 @@ inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
 // latency 4 need); w is loaded again for the k + 1 half of each pair, so that 12 accumulators,
 // two widened vectors and a broadcast fit the 16 registers.
 #define RLM_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+// Row i's two accumulators a<i>0 / a<i>1 to c + i * ldc (rows i < R): both 6-row kernels' store.
+#define RLM_STORE_ROW(i)                        \
+  if constexpr (i < R) {                        \
+    _mm256_storeu_ps(c + i * ldc, a##i##0);     \
+    _mm256_storeu_ps(c + i * ldc + 8, a##i##1); \
+  }
 template <int R>
 inline void half_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t K, int s,
                           float (*acc)[TILE_N], const uint16_t* pf, int64_t pf_first,
@@ -266,15 +272,9 @@ inline void half_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
   }
 #undef RLM_ROW
   float* c = acc[0] + 16 * s;
-#define RLM_STORE(i)                                             \
-  if constexpr (i < R) {                                         \
-    _mm256_storeu_ps(c + i * TILE_N, a##i##0);                   \
-    _mm256_storeu_ps(c + i * TILE_N + 8, a##i##1);               \
-  }
-  RLM_ROWS6(RLM_STORE)
-#undef RLM_STORE
+  constexpr int64_t ldc = TILE_N;
+  RLM_ROWS6(RLM_STORE_ROW)
 }
-#undef RLM_ROWS6
 
 // Rows [0, 3) of x against one whole tile w (as `tile_rows_f32`): 12 accumulators (3 rows x 4
 // vectors of 8 outputs), each widened vector taken straight from memory (the shift / and with a
@@ -343,7 +343,6 @@ inline void widen_half(const uint16_t* w, int s, int64_t k0, int64_t k1, float* 
 // Rows [0, R) (R <= 6) x 16 outputs over kn k of `buf` ([kn, 16]) and x (row stride xs, already
 // offset to the block's first k); c: the running sums (row stride ldc), zero first when `First`.
 // Named accumulators: GCC keeps an array of 12 vectors on the stack.
-#define RLM_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int R, bool First>
 inline void block_rows_f32(const float* x, int64_t xs, const float* buf, int64_t kn, float* c,
                            int64_t ldc) {
@@ -372,14 +371,9 @@ inline void block_rows_f32(const float* x, int64_t xs, const float* buf, int64_t
     RLM_ROWS6(RLM_STEP)
 #undef RLM_STEP
   }
-#define RLM_STORE(i)                               \
-  if constexpr (i < R) {                           \
-    _mm256_storeu_ps(c + i * ldc, a##i##0);        \
-    _mm256_storeu_ps(c + i * ldc + 8, a##i##1);    \
-  }
-  RLM_ROWS6(RLM_STORE)
-#undef RLM_STORE
+  RLM_ROWS6(RLM_STORE_ROW)
 }
+#undef RLM_STORE_ROW
 #undef RLM_ROWS6
 
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);

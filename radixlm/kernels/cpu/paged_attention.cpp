@@ -1092,19 +1092,20 @@ void attend_task(
     // scattered pages stalled on their K/V loads).
     const int64_t n2 = pairs16 ? 0 : std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
     int64_t page2 = page + (off + n) / ps, off2 = (off + n) % ps;  // key j0 + n
+    auto prefetch_next = [&]() {  // the K / V rows (all heads) of key page2 / off2; advance
+      const int64_t slot = static_cast<int64_t>(pages[page2]) * ps + off2;
+      if (++off2 == ps) off2 = 0, ++page2;
+      const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
+      const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(kp + b);
+        __builtin_prefetch(vp + b);
+      }
+    };
     for (int64_t jj = 0; jj < (bfdot ? 0 : n); ++jj) {
       const int64_t slot = static_cast<int64_t>(pages[page]) * ps + off;
       if (++off == ps) off = 0, ++page;
-      if (jj < n2) {
-        const int64_t slot2 = static_cast<int64_t>(pages[page2]) * ps + off2;
-        if (++off2 == ps) off2 = 0, ++page2;
-        const char* kp = reinterpret_cast<const char*>(k_buf + slot2 * dm.kv_s0);
-        const char* vp = reinterpret_cast<const char*>(v_buf + slot2 * dm.kv_s0);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kp + b);
-          __builtin_prefetch(vp + b);
-        }
-      }
+      if (jj < n2) prefetch_next();
       for (int64_t h = 0; h < H; ++h) {
         const T* kp = k_buf + slot * dm.kv_s0 + h * dm.kv_s1;
         const T* vp = v_buf + slot * dm.kv_s0 + h * dm.kv_s1;
@@ -1119,18 +1120,8 @@ void attend_task(
         }
       }
     }
-    if (bfdot && !pairs16) {  // the bf16 tiles packed above: the next block in one burst
-      for (int64_t jj = 0; jj < n2; ++jj) {
-        const int64_t slot = static_cast<int64_t>(pages[page2]) * ps + off2;
-        if (++off2 == ps) off2 = 0, ++page2;
-        const char* kp = reinterpret_cast<const char*>(k_buf + slot * dm.kv_s0);
-        const char* vp = reinterpret_cast<const char*>(v_buf + slot * dm.kv_s0);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          __builtin_prefetch(kp + b);
-          __builtin_prefetch(vp + b);
-        }
-      }
-    }
+    if (bfdot && !pairs16)  // the bf16 tiles packed above: the next block in one burst
+      for (int64_t jj = 0; jj < n2; ++jj) prefetch_next();
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = qf + h * M * D;
       float* sh = s + h * M * BLOCK_K;
