@@ -1091,7 +1091,8 @@ void attend_task(
     // after the block overflowed the miss buffers: measured, AVX2 EPYC, decode rows over
     // scattered pages stalled on their K/V loads).
     const int64_t n2 = pairs16 ? 0 : std::min<int64_t>(BLOCK_K, kv_hi - j0 - BLOCK_K);
-    int64_t page2 = page + (off + n) / ps, off2 = (off + n) % ps;  // key j0 + n
+    int64_t page2 = (j0 + n) / ps, off2 = (j0 + n) % ps;  // key j0 + n (the bf16 packing
+    // above has already moved page / off past this block)
     auto prefetch_next = [&]() {  // the K / V rows (all heads) of key page2 / off2; advance
       const int64_t slot = static_cast<int64_t>(pages[page2]) * ps + off2;
       if (++off2 == ps) off2 = 0, ++page2;
