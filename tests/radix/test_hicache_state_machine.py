@@ -197,6 +197,9 @@ class HiCacheMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def drop_tier_page(self, data: st.DataObject) -> None:
+        # the index only after the background writes: what is drawn from must not depend on
+        # their timing (hypothesis replays a case and requires the same draws)
+        self.hicache.store.wait_writes()
         keys = self.hicache.store.keys()
         if keys:
             self.hicache.store.drop(data.draw(st.sampled_from(keys)))
@@ -206,6 +209,7 @@ class HiCacheMachine(RuleBasedStateMachine):
     def lose_follower_shard(self, data: st.DataObject) -> None:
         """Rank 1 lacks its shard of a page rank 0 holds: that page is never served."""
         assert self.shard1 is not None
+        self.shard1.tier_store.wait_writes()  # as in drop_tier_page
         keys = self.shard1.tier_store.keys()
         if keys:
             self.shard1.tier_store.drop(data.draw(st.sampled_from(keys)))
