@@ -150,11 +150,11 @@ void linear_packed(const uint32_t* x, const uint16_t* w, const float* bias, uint
 // The fp32-activation path (see the header). Every output is one FMA chain over k in order
 // (w[n, k] * x[k] added to the running sum), whichever kernel computes it, so a row's output is
 // the same bits at every row count of the call:
-// - few rows (`kFewRowsF32`): each K pair widened in registers; passes of 6 or 4 rows over a
-//   half tile (16 outputs: 12 or 8 accumulators, each advanced by two dependent FMAs per pair;
-//   8 chains are exactly what 2 FMAs a cycle of latency 4 need, 12 leave slack; 4 widening ops
-//   per 24 or 16 FMAs), the last 1-3 rows in passes over the whole tile (32 outputs: 3 rows in
-//   one pass of 12 accumulators, 1-2 in one of 4 or 8);
+// - few rows (`kFewRowsF32`): each K pair widened in registers; 4 rows or more in passes of 3-6
+//   rows over a half tile (16 outputs: 6-12 accumulators, each advanced by two dependent FMAs
+//   per pair; 8 chains are exactly what 2 FMAs a cycle of latency 4 need, 12 leave slack; 4
+//   widening ops per 12-24 FMAs), so a half tile's later passes read it from L1; 1-3 rows in
+//   one pass over the whole tile (32 outputs: 3 rows in 12 accumulators, 1-2 in 4 or 8);
 // - more rows: per K block, one half tile widened once into an L1 buffer [KC_F32, 16] fp32,
 //   then a 6-row x 16-output register block (12 accumulators) per 6 rows, each accumulator
 //   loaded from and stored to the item's running sums between K blocks (the chain continues
@@ -211,13 +211,14 @@ inline void tile_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc[r] + 8 * j, a[r][j]);
 }
 
-// Rows [0, R) (R = 4 or 6) of x (row stride xs) against half s of one tile w ([KP, 64]: outputs
+// Rows [0, R) (3 <= R <= 6) of x (row stride xs) against half s of one tile w ([KP, 64]: outputs
 // [16 s, 16 s + 16)); acc[r][16 s + j]: output 16 s + j (no bias). `pf` (or null): the same half
 // of the next tile, whose lines of pairs pf_first, pf_first + pf_every, ... are prefetched
 // meanwhile. Named accumulators (GCC keeps arrays of this many vectors on the stack). With 6 rows
 // the 12 chains leave the FMA latency slack (4 rows: 8 chains, exactly what 2 FMAs a cycle of
-// latency 4 need); w is loaded again for the k + 1 half of each pair, so that 12 accumulators,
-// two widened vectors and a broadcast fit the 16 registers.
+// latency 4 need; 3 rows, only after other passes over the same half); w is loaded again for the
+// k + 1 half of each pair, so that 12 accumulators, two widened vectors and a broadcast fit the
+// 16 registers.
 #define RLM_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 // Row i's two accumulators a<i>0 / a<i>1 to c + i * ldc (rows i < R): both 6-row kernels' store.
 #define RLM_STORE_ROW(i)                        \
@@ -229,7 +230,7 @@ template <int R>
 inline void half_rows_f32(const float* x, int64_t xs, const uint16_t* w, int64_t K, int s,
                           float (*acc)[TILE_N], const uint16_t* pf, int64_t pf_first,
                           int64_t pf_every) {
-  static_assert(R == 4 || R == 6, "4 or 6 rows");
+  static_assert(R >= 3 && R <= 6, "3 to 6 rows");
 #define RLM_DECL(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = a##i##0;
   RLM_ROWS6(RLM_DECL)
 #undef RLM_DECL
@@ -439,34 +440,37 @@ void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const floa
         const uint16_t* wt = w + t * KP * TILE_PAIR;
         const uint16_t* next = i + 1 < i1 && t + 1 < NT ? wt + KP * TILE_PAIR : nullptr;
         const int64_t m0 = std::min(M, c * per), m1 = std::min(M, (c + 1) * per);
-        // Rows [m0, m4) in half passes of 6 rows (4 where 4 or 5 are left, and 4 + 4 for 8),
-        // the last 1-3 rows in tile passes. Measured, AVX2 EPYC, 120 linears of distinct
-        // weights: 6-row passes 10-15% faster than 4-row ones at 6-32 rows; for 8 rows, 6 + 2
-        // ~4% and 5 + 3 ~10% slower than 4 + 4.
-        int64_t sizes[kFewRowsF32 / 4 + 1], np = 0, m4 = m0;
-        for (int64_t rem = m1 - m0; rem >= 4;) {
-          const int64_t r = rem >= 6 && rem != 8 ? 6 : 4;
-          sizes[np++] = r, rem -= r, m4 += r;
-        }
-        // Q passes over each half: pass q prefetches the next tile's lines of pairs q, q + Q, ...
-        // of that half, so the next tile streams in over all of this tile's work (measured, AVX2
-        // EPYC, 120 linears at 8 / 16 rows: ~8% faster than all of it in the first pass, which
-        // left the memory idle during the others).
-        for (int s = 0; s < 2; ++s)
-          for (int64_t q = 0, m = m0; q < np; m += sizes[q++]) {
-            auto* fn = sizes[q] == 6 ? &half_rows_f32<6> : &half_rows_f32<4>;
-            fn(x + m * xs, xs, wt, K, s, acc + (m - m0), next, q, np);
-          }
-        if (m1 - m4 == 3) {  // 12 chains (measured: 3 rows alone ~15% faster than 2 + 1)
-          tile_rows3_f32(x + m4 * xs, xs, wt, K, acc + (m4 - m0), np == 0 ? next : nullptr);
-          m4 = m1;
-        }
-        for (int64_t m = m4; m < m1; m += 2) {
-          const uint16_t* pf = m == m0 ? next : nullptr;
-          if (m + 2 <= m1)
-            tile_rows_f32<2>(x + m * xs, xs, wt, K, acc + (m - m0), pf);
-          else
-            tile_rows_f32<1>(x + m * xs, xs, wt, K, acc + (m - m0), pf);
+        if (m1 - m0 < 4) {  // one tile pass (3 rows: 12 chains, ~15% faster than 2 + 1)
+          const float* xm = x + m0 * xs;
+          if (m1 - m0 == 3)
+            tile_rows3_f32(xm, xs, wt, K, acc, next);
+          else if (m1 - m0 == 2)
+            tile_rows_f32<2>(xm, xs, wt, K, acc, next);
+          else if (m1 - m0 == 1)
+            tile_rows_f32<1>(xm, xs, wt, K, acc, next);
+        } else {
+          // Half passes of 6 rows, the last 3-5 in one (7 and 8 left: 4 + 3, 4 + 4). Measured,
+          // AVX2 EPYC, 120 linears of distinct weights, alternated: 6-row passes 10-15% faster
+          // than 4-row ones at 6-32 rows; the rows past the last 6 in a half pass 12-18% faster
+          // than in a whole-tile pass after the halves, which reads the tile again from L2
+          // (5 rows, 5 vs 4 + 1; 9, 6 + 3 vs 6 + tile 3; 11, 6 + 5 vs 6 + 4 + tile 1; 15); for 8
+          // rows, 6 + 2 ~4% and 5 + 3 ~10% slower than 4 + 4.
+          int64_t sizes[kFewRowsF32 / 3 + 1], np = 0;
+          int64_t rem = m1 - m0;
+          for (; rem >= 9 || rem == 6; rem -= 6) sizes[np++] = 6;
+          if (rem >= 7) sizes[np++] = 4, rem -= 4;
+          if (rem > 0) sizes[np++] = rem;  // 3, 4 or 5
+          // Q passes over each half: pass q prefetches the next tile's lines of pairs q, q + Q,
+          // ... of that half, so the next tile streams in over all of this tile's work
+          // (measured, AVX2 EPYC, 120 linears at 8 / 16 rows: ~8% faster than all of it in the
+          // first pass, which left the memory idle during the others).
+          using HalfFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, int,
+                                  float (*)[TILE_N], const uint16_t*, int64_t, int64_t);
+          constexpr HalfFn kHalf[] = {&half_rows_f32<3>, &half_rows_f32<4>, &half_rows_f32<5>,
+                                      &half_rows_f32<6>};
+          for (int s = 0; s < 2; ++s)
+            for (int64_t q = 0, m = m0; q < np; m += sizes[q++])
+              kHalf[sizes[q] - 3](x + m * xs, xs, wt, K, s, acc + (m - m0), next, q, np);
         }
         if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0);
       }
