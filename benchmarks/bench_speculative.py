@@ -3,7 +3,7 @@
 weights, self-speculation), and optionally vLLM's CPU build with its n-gram speculation.
 
     .venv/bin/python benchmarks/bench_speculative.py [--threads 2] [--tokens 128]
-        [--batches 1,8] [--modes plain,ngram,draft] [--reps 3]
+        [--batches 1,8] [--modes plain,ngram,draft] [--reps 3] [--rounds 1]
         [--workloads extract,edit,quote,free,repeat,agent,agent-json] [--agent-turns 4]
         [--draft-tokens 4] [--draft-model default] [--draft-quantization int4]
         [--disable-by-batch-size N] [--vllm [--vllm-modes vllm,vllm-ngram]]
@@ -26,22 +26,23 @@ Workloads, greedy, chat template, `--tokens` new tokens at most per generation:
   (`TOOL_CALL_SCHEMA`): jump-forward writes the keys, and the forward that computes them also
   verifies a draft of what follows (the earlier calls' tool names and paths).
 
-Modes run one after the other, each with its own engine, one alive at a time (two engines in
-one process slowed each other by ~25% on a 2-core CPU: libgomp's spin throttling, README). The
-radix cache is flushed before every timed run (drafts come from the prompt, the run's own
-output and, for `repeat`, the untimed run). Per workload, batch size B (B programs / requests
-at once) and mode: output tok/s (generated tokens over wall time; the median of `--reps` runs
-after a warm-up), its ratio to `plain`, the load-independent counts of the timed runs
-(`spec_stats`: forwards per run, tokens and rows per forward, acceptance rate, mean accepted
-length, drafted / accepted tokens, the share of decoding steps that drafted, tokens per
-verification), and how many outputs are token-identical to `plain`'s (greedy: all, up to bf16
-rounding between a decode row and a verification row). `--vllm` adds `vllm-ngram`
-(and `vllm` without drafts, for its own ratio): vLLM's CPU server
-(`benchmarks/peers/bench_peers.py` starts it) with `--speculative-config
-'{"method": "ngram", ...}'`, on the unconstrained prompt workloads (`edit`, `quote`, `free`),
-each request over `/v1/completions`. `--step-cost` first times a verification forward
-(B x (k + 1) rows) against a plain decode step (B rows) on the `plain` engine, alternating
-(`step_costs`).
+Modes run one after the other, each with its own engine, one alive at a time (two engines in one
+process slowed each other by ~25% on a 2-core CPU: libgomp's spin throttling, README); `--rounds
+R` repeats that R times (plain, ngram, plain, ngram, ...: a fresh engine each round, `--reps`
+timed runs each), so that a box whose speed drifts over minutes slows both modes alike instead
+of the one that ran later. The radix cache is flushed before every timed run (drafts come from
+the prompt, the run's own output and, for `repeat`, the untimed run). Per workload, batch size B
+(B programs / requests at once) and mode: output tok/s (generated tokens over wall time; the
+median of `--reps` runs after a warm-up), its ratio to `plain`, the load-independent counts of
+the timed runs (`spec_stats`: forwards per run, tokens and rows per forward, acceptance rate,
+mean accepted length, drafted / accepted tokens, the share of decoding steps that drafted,
+tokens per verification; all runs of all rounds), and how many outputs are token-identical to
+`plain`'s (greedy: all, up to bf16 rounding between a decode row and a verification row).
+`--vllm` adds `vllm-ngram` (and `vllm` without drafts, for its own ratio): vLLM's CPU server
+(`benchmarks/peers/bench_peers.py` starts it) with `--speculative-config '{"method": "ngram",
+...}'`, on the unconstrained prompt workloads (`edit`, `quote`, `free`), each request over
+`/v1/completions`. `--step-cost` first times a verification forward (B x (k + 1) rows) against a
+plain decode step (B rows) on the `plain` engine, alternating (`step_costs`).
 Prints the CPU and the load average; nothing here asserts.
 """
 
@@ -56,6 +57,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -271,15 +273,28 @@ def agent_runner(
     return go
 
 
+@dataclass
+class Runs:
+    """The timed runs of one (workload, batch, mode), across rounds."""
+
+    speeds: list[float] = field(default_factory=list)  # output tok/s of each run
+    totals: Counter[str] = field(default_factory=Counter)  # `COUNTERS` summed over the runs
+    outs: list[list[int]] = field(default_factory=list)  # the last run's outputs
+
+    def summary(self) -> dict[str, Any]:
+        """The median tok/s and `spec_stats` of all runs."""
+        return {
+            "tok_s": round(statistics.median(self.speeds), 1),
+            **spec_stats(self.totals, len(self.speeds)),
+        }
+
+
 def measure(
-    eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool
-) -> tuple[dict[str, Any], list[list[int]]]:
-    """The median tok/s of `reps` timed runs (after a warm-up), the counters summed over the
-    timed runs only (`spec_stats`), and the last run's outputs."""
+    eng: Engine, go: Callable[[], list[list[int]]], reps: int, repeat: bool, runs: Runs
+) -> None:
+    """`reps` timed runs (after a warm-up) added to `runs`: their tok/s, their counters (the
+    timed runs only) and the last run's outputs."""
     go()  # warm-up (oneDNN primitives for these shapes, grammar compiles)
-    speeds: list[float] = []
-    outs: list[list[int]] = []
-    totals: Counter[str] = Counter()
     for _ in range(reps):
         # NOTE: an empty radix cache each time: otherwise the tree holds the previous run's
         # output and drafts all of it (the repeated-program case, `repeat`).
@@ -290,14 +305,13 @@ def measure(
             eng.wait_idle()
         before = eng.stats()
         t = time.perf_counter()
-        outs = go()
+        runs.outs = go()
         wall = time.perf_counter() - t
         eng.wait_idle()
         after = eng.stats()
-        speeds.append((after.generated_tokens - before.generated_tokens) / wall)
+        runs.speeds.append((after.generated_tokens - before.generated_tokens) / wall)
         for f in COUNTERS:
-            totals[f] += getattr(after, f) - getattr(before, f)
-    return {"tok_s": round(statistics.median(speeds), 1), **spec_stats(totals, reps)}, outs
+            runs.totals[f] += getattr(after, f) - getattr(before, f)
 
 
 COUNTERS = (
@@ -457,6 +471,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--disable-by-batch-size", type=int, default=None, help="override the engine's default"
     )
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1, help="modes alternated this many times")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default=None, help="default: the engine's (cuda if available)")
     p.add_argument("--attention-backend", default="auto")
@@ -495,7 +510,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[tuple[str, int], dict[str, Any]] = {
         (name, b): {"workload": name, "batch": b} for name, b in cases
     }
-    outs: dict[tuple[str, int], dict[str, list[list[int]]]] = {c: {} for c in cases}
+    runs = {(c, mode): Runs() for c in cases for mode in modes}
     device: dict[str, str] = {}
     costs: list[dict[str, Any]] = []
     template: Engine | None = None
@@ -503,39 +518,44 @@ def main(argv: list[str] | None = None) -> None:
     # (SmolLM2 bf16, batch 8, 2 threads: 550 -> 407 tok/s for the first once the second was
     # built; one after the other, each as fast as alone): their forward teams hold more OpenMP
     # threads than the box has CPUs, and libgomp then barely spins between parallel regions.
-    for mode in modes:
-        eng = make_engine(args, mode)
-        try:
-            device[mode] = device_description(eng)
-            print("device:", mode, device[mode], flush=True)
-            if mode == "plain":
-                template = eng  # its chat template (the tokenizer's) for vLLM's prompts
-                if args.step_cost:
-                    costs = step_costs(
-                        eng, args.batch_sizes, args.step_cost_context, args.step_cost_reps
-                    )
-                    for c in costs:
-                        print(json.dumps({"step_cost": c}), flush=True)
-            for name, b in cases:
-                if name in AGENT_WORKLOADS:
-                    schema = TOOL_CALL_SCHEMA if name == "agent-json" else None
-                    go = agent_runner(eng, b, args.agent_turns, args.tokens, schema)
-                else:
-                    texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
-                    go = prompt_runner(eng, name, texts, b, args.tokens)
-                m, outs[(name, b)][mode] = measure(eng, go, args.reps, repeat=name == "repeat")
-                results[(name, b)] |= {f"{mode}_{k}": v for k, v in m.items()}
-                print(json.dumps({"workload": name, "batch": b, "mode": mode, **m}), flush=True)
-        finally:
-            eng.shutdown()
+    for rnd in range(args.rounds):
+        for mode in modes:
+            eng = make_engine(args, mode)
+            try:
+                device[mode] = device_description(eng)
+                print(f"device (round {rnd + 1}):", mode, device[mode], flush=True)
+                if mode == "plain":
+                    template = eng  # its chat template (the tokenizer's) for vLLM's prompts
+                    if args.step_cost and rnd == 0:
+                        costs = step_costs(
+                            eng, args.batch_sizes, args.step_cost_context, args.step_cost_reps
+                        )
+                        for c in costs:
+                            print(json.dumps({"step_cost": c}), flush=True)
+                for name, b in cases:
+                    if name in AGENT_WORKLOADS:
+                        schema = TOOL_CALL_SCHEMA if name == "agent-json" else None
+                        go = agent_runner(eng, b, args.agent_turns, args.tokens, schema)
+                    else:
+                        texts = PROMPT_WORKLOADS["free" if name == "repeat" else name]
+                        go = prompt_runner(eng, name, texts, b, args.tokens)
+                    r = runs[((name, b), mode)]
+                    measure(eng, go, args.reps, name == "repeat", r)
+                    line = {"workload": name, "batch": b, "mode": mode, "round": rnd + 1}
+                    print(json.dumps(line | r.summary()), flush=True)
+            finally:
+                eng.shutdown()
+    for (case, mode), r in runs.items():
+        results[case] |= {f"{mode}_{k}": v for k, v in r.summary().items()}
     rows: list[dict[str, Any]] = []
     for case in cases:
-        res, got = results[case], outs[case]
+        res = results[case]
         for mode in modes:
             if mode != "plain":
                 res[f"{mode}_ratio"] = round(res[f"{mode}_tok_s"] / res["plain_tok_s"], 2)
-                same = sum(a == s for a, s in zip(got["plain"], got[mode]))
-                res[f"{mode}_identical"] = f"{same}/{len(got['plain'])}"
+                plain, got = runs[(case, "plain")].outs, runs[(case, mode)].outs
+                same = sum(a == s for a, s in zip(plain, got))
+                res[f"{mode}_identical"] = f"{same}/{len(plain)}"
         rows.append(res)
         print(json.dumps(res), flush=True)
     if args.vllm:

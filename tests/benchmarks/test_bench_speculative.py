@@ -44,14 +44,20 @@ def test_the_runners_work_on_a_tiny_model(tiny_llama_dir: Path) -> None:
         str(tiny_llama_dir), dtype="float32", page_size=4, num_pages=256,
         speculative_algorithm="ngram",
     ) as engine:  # fmt: skip
-        agent, outs = bs.measure(engine, bs.agent_runner(engine, 2, 2, 6), reps=1, repeat=False)
-        assert len(outs) == 2 and agent["tok_s"] > 0
+        runs = bs.Runs()
+        bs.measure(engine, bs.agent_runner(engine, 2, 2, 6), reps=1, repeat=False, runs=runs)
+        assert len(runs.outs) == 2 and runs.summary()["tok_s"] > 0
         go = bs.agent_runner(engine, 2, 2, 24, bs.TOOL_CALL_SCHEMA)  # `agent-json`
-        agent_json, outs = bs.measure(engine, go, reps=1, repeat=False)
-        assert len(outs) == 2 and agent_json["tok_s"] > 0
+        runs = bs.Runs()
+        bs.measure(engine, go, reps=1, repeat=False, runs=runs)
+        assert len(runs.outs) == 2 and runs.summary()["tok_s"] > 0
         go = bs.prompt_runner(engine, "extract", bs.EXTRACT, 2, 6)
-        extract, outs = bs.measure(engine, go, reps=2, repeat=True)
-        assert len(outs) == 2 and all(len(o) == 6 for o in outs)
+        runs = bs.Runs()
+        bs.measure(engine, go, reps=1, repeat=True, runs=runs)  # two rounds of one run each
+        bs.measure(engine, go, reps=1, repeat=True, runs=runs)
+        assert len(runs.speeds) == 2
+        assert len(runs.outs) == 2 and all(len(o) == 6 for o in runs.outs)
+        extract = runs.summary()
         # The counters cover the timed runs only: 2 x 2 requests of 6 tokens each, i.e. 12
         # tokens per run. The two figures are rounded (forwards to 0.1, tokens per forward to
         # 0.01), so their product is 12 within those roundings (the forwards vary with the
