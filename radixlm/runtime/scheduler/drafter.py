@@ -34,7 +34,13 @@ from radixlm.runtime.grammar.base import GrammarMatcher
 from radixlm.runtime.grammar.jump_forward import JumpForward, retokenize
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.runtime.request import Request
-from radixlm.runtime.spec.gain import AcceptanceCounts, StepCost, plan_draft_lengths
+from radixlm.runtime.spec.gain import (
+    AcceptanceCounts,
+    Calibration,
+    StepCost,
+    expected_accepted,
+    plan_draft_lengths,
+)
 
 TREE = "tree"  # the source of a radix-tree continuation
 MODEL = "model"  # the source of a draft model's proposal
@@ -66,6 +72,7 @@ class _Index:
     upto: int = 0  # n-grams ending at positions < upto are indexed
     accepted_len: float | None = None  # moving average of the accepted draft length
     source: str = MODEL  # the source of the latest proposal (what `record` counts)
+    planned_alpha: float | None = None  # the estimate its planned draft was sized with
     counts: dict[str, AcceptanceCounts] = field(default_factory=dict)  # by source
 
 
@@ -83,6 +90,7 @@ class Drafter:
         self.first_token_keys = first_token_keys or {}
         self.cost = StepCost()
         self.counts: dict[str, AcceptanceCounts] = {}  # global, by source
+        self.calibration = Calibration()  # the planned drafts' realized / expected tokens
         self._index: weakref.WeakKeyDictionary[Request, _Index] = weakref.WeakKeyDictionary()
 
     def draft_length(self, req: Request, most: int) -> int:
@@ -103,6 +111,10 @@ class Drafter:
         idx.accepted_len = accepted if prev is None else 0.5 * prev + 0.5 * accepted
         idx.counts.setdefault(idx.source, AcceptanceCounts()).add(drafted, accepted, REQUEST_DECAY)
         self.counts.setdefault(idx.source, AcceptanceCounts()).add(drafted, accepted, GLOBAL_DECAY)
+        if idx.planned_alpha is not None:  # sized by `plan`: how the model's estimate fared
+            expected = expected_accepted(idx.planned_alpha, drafted)
+            self.calibration.add(expected, accepted, GLOBAL_DECAY)
+            idx.planned_alpha = None
 
     def alpha(self, req: Request, source: str) -> float:
         """The per-token acceptance estimate of a draft from `source` for `req`: its own
@@ -117,10 +129,17 @@ class Drafter:
     ) -> list[int]:
         """How many tokens of each draft (request, source, length) to verify this step: the
         expected-gain model (`plan_draft_lengths`) on the measured step cost, given the step's
-        `base_rows` forward rows and `base_tokens` sampled tokens without drafts."""
+        `base_rows` forward rows and `base_tokens` sampled tokens without drafts; the expected
+        gains scaled by the calibration of the drafts verified so far."""
         alphas = [self.alpha(r, source) for r, source, _ in drafts]
         lengths = [n for _, _, n in drafts]
-        return plan_draft_lengths(alphas, lengths, base_rows, base_tokens, self.cost)
+        scale = self.calibration.scale()
+        out = plan_draft_lengths(alphas, lengths, base_rows, base_tokens, self.cost, scale=scale)
+        for (req, _, _), a, k in zip(drafts, alphas, out):
+            idx = self._index.get(req)
+            if idx is not None:
+                idx.planned_alpha = a if k else None
+        return out
 
     def propose(self, req: Request, limit: int) -> Proposal | None:
         """Up to `limit` draft tokens to follow `req.token_ids` (None: no match)."""

@@ -14,6 +14,12 @@ probability `alpha`, so the j-th token of a draft adds `alpha ** j` expected tok
 of k tokens `sum(alpha ** j, j = 1..k)`. `alpha` is estimated from verified drafts as successes
 / (successes + failures) (a draft of k tokens with a accepted: a successes, one failure when
 a < k), the maximum-likelihood estimate of the truncated geometric.
+
+The geometric model is only a model: drafts are planned where the estimates are high, and what
+then stands can fall short of them (measured, AVX2 EPYC, batch 8: 0.83x of the expected
+accepted tokens on `edit`, 0.87x on `free`; 1.16x on `extract`). `Calibration` keeps the
+realized over the expected accepted tokens of the verified drafts, and the plan scales every
+expected gain by it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,27 @@ class AcceptanceCounts:
     def alpha(self, prior: float, weight: float) -> float:
         """The per-token acceptance estimate, shrunk to `prior` with `weight` pseudo-counts."""
         return (self.successes + weight * prior) / (self.successes + self.failures + weight)
+
+
+@dataclass
+class Calibration:
+    """Decayed expected and realized accepted tokens of verified drafts: `scale()` is their
+    ratio (the geometric model's bias), shrunk to 1 with `weight` tokens of each."""
+
+    expected: float = 0.0
+    realized: float = 0.0
+
+    def add(self, expected: float, realized: int, decay: float) -> None:
+        """A verified draft: `expected` accepted tokens at planning, `realized` stood; older
+        drafts weighted down by `decay` (in (0, 1]) first."""
+        if expected < 0 or realized < 0:
+            raise ValueError(f"expected and realized must be >= 0, got {expected}, {realized}")
+        self.expected = decay * self.expected + expected
+        self.realized = decay * self.realized + realized
+
+    def scale(self, weight: float = 4.0, lo: float = 0.5, hi: float = 1.5) -> float:
+        """Realized / expected, shrunk to 1 by `weight` pseudo-tokens, clipped to [lo, hi]."""
+        return min(hi, max(lo, (self.realized + weight) / (self.expected + weight)))
 
 
 class StepCost:
@@ -150,9 +177,11 @@ def plan_draft_lengths(
     base_tokens: int,
     cost: StepCost,
     margin: float = DRAFT_MARGIN,
+    scale: float = 1.0,
 ) -> list[int]:
     """Per candidate i a draft length in [0, lengths[i]] maximizing the step's expected tokens
-    per second, (base_tokens + sum_i sum_{j<=k_i} alphas[i] ** j) / cost(base_rows + sum k_i):
+    per second, (base_tokens + scale * sum_i sum_{j<=k_i} alphas[i] ** j) / cost(base_rows +
+    sum k_i) (`scale`: `Calibration.scale()`):
     the draft tokens with the largest expected gain first (for each candidate its gains fall
     with j, so the chosen tokens are each draft's prefix), as many as raise the ratio; none
     when the best ratio beats the step without drafts by less than `margin` (a share). With
@@ -169,7 +198,7 @@ def plan_draft_lengths(
     plain = best = tokens / cost.cost(base_rows)  # type: ignore[operator]
     best_d = 0
     for d, (g, _) in enumerate(gains, 1):
-        tokens += g
+        tokens += scale * g
         rate = tokens / cost.cost(base_rows + d)  # type: ignore[operator]
         if rate > best:
             best, best_d = rate, d

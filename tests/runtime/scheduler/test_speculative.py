@@ -98,6 +98,22 @@ def test_acceptance_is_learned_per_request_and_source():
     assert d.alpha(c, "ngram1") < 0.2 and d.alpha(a, "ngram1") < 0.5
 
 
+def test_planned_drafts_calibrate_the_model():
+    """A draft sized by `plan` counts its expected accepted tokens (at the estimate it was
+    planned with) against what stood; a draft `plan` did not size does not count."""
+    d = Drafter(None, 1, 3)
+    a = Request("a", [1, 2, 1, 2, 1], SamplingParams())
+    d.cost.record(1, 0.01)
+    d.cost.record(5, 0.01)  # flat: every draft token is free
+    assert d.propose(a, 4).source == "ngram3"
+    assert d.plan([(a, "ngram3", 4)], 1, 1) == [4]  # planned at alpha 0.5
+    d.record(a, 4, 0)  # expected 0.9375 tokens, none stood
+    assert d.calibration.expected == pytest.approx(0.9375) and d.calibration.realized == 0
+    assert d.calibration.scale() < 1
+    d.record(a, 4, 4)  # not planned since: the acceptance counts move, the calibration not
+    assert d.calibration.expected == pytest.approx(0.9375) and d.calibration.realized == 0
+
+
 def make(speculative: bool, num_pages: int = 64, cost=lambda rows: 1.0, **cfg) -> Scheduler:
     runner = FakeRunner(num_pages, 4)
     pool = BlockPool(num_pages, 4)

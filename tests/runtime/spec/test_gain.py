@@ -7,6 +7,7 @@ import pytest
 
 from radixlm.runtime.spec.gain import (
     AcceptanceCounts,
+    Calibration,
     StepCost,
     expected_accepted,
     plan_draft_lengths,
@@ -111,3 +112,28 @@ def test_a_knee_in_the_cost_goes_to_the_likeliest_tokens_first():
     assert plan_draft_lengths([0.99] + [0.0] * 7, [4] + [0] * 7, 8, 8, knee) == [2] + [0] * 7
     gentle = cost_of({r: 0.010 * max(1.0, 1 + (r - 10) / 40) for r in range(1, 65)})
     assert plan_draft_lengths([0.99] + [0.0] * 7, [4] + [0] * 7, 8, 8, gentle) == [4] + [0] * 7
+
+
+def test_calibration_is_realized_over_expected_shrunk_and_clipped():
+    c = Calibration()
+    assert c.scale() == 1.0  # nothing verified: the model as it is
+    c.add(8.0, 4, decay=1.0)  # half of what was expected stood
+    assert c.scale() == pytest.approx((4 + 4) / (8 + 4))
+    for _ in range(50):
+        c.add(4.0, 1, decay=0.9)
+    assert c.scale() == 0.5  # clipped at `lo`
+    for _ in range(200):
+        c.add(1.0, 4, decay=0.9)
+    assert c.scale() == 1.5  # and at `hi`
+    with pytest.raises(ValueError, match="expected and realized"):
+        c.add(-1.0, 0, decay=1.0)
+
+
+def test_a_draft_the_calibration_discounts_is_not_taken():
+    """Batch 8, each row past 8 adds 1% to the step: a draft token at 0.95 gains ~10.8% (over
+    the 10% margin); the same token when drafts have realized 0.8x of their expected tokens
+    gains ~8.6% (under it)."""
+    slope = cost_of({r: 0.010 * (1 + 0.01 * max(0, r - 8)) for r in range(1, 65)})
+    one = [1] + [0] * 7
+    assert plan_draft_lengths([0.95] + [0.0] * 7, one, 8, 8, slope) == one
+    assert plan_draft_lengths([0.95] + [0.0] * 7, one, 8, 8, slope, scale=0.8) == [0] * 8
