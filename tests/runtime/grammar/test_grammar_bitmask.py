@@ -73,6 +73,8 @@ def test_apply_matches_the_torch_twin(dtype: torch.dtype, rows: list[int] | None
     batch, vocab = 8, VOCAB_SIZE
     mask = torch.randint(-(2**31), 2**31 - 1, (batch, bitmask_width(vocab)), generator=gen)
     mask = mask.to(torch.int32)
+    mask[:, ::3] = 0  # words allowing nothing (most of a grammar's row) and everything
+    mask[:, 1::5] = -1
     logits = torch.randn(batch, vocab, generator=gen).to(dtype)
     ours, twin = logits.clone(), logits.clone()
     apply_token_bitmask(ours, mask, rows)
