@@ -387,6 +387,8 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype, vocab: int) -> None:
         x[4, vocab - 1] = float("inf")
         x[5, vocab // 2] = float("nan")
         x[5, 0] = float("inf")
+        x[6] = -1.0
+        x[6, 2], x[6, 3] = -0.0, 0.0  # equal maxima of both signs: the first
     want = x.float().argmax(dim=-1)
     assert torch.equal(argmax_rows(x), want)
     assert torch.equal(x.argmax(dim=-1), want)
