@@ -166,6 +166,15 @@ class LLGuidanceMatcher(EosMatcher):
             return b""
         return bytes(self._m.compute_ff_bytes())
 
+    def only_eos_allowed(self) -> bool:
+        # llguidance's ``is_stopped``: nothing but EOS can follow (no mask fill, ~1 us instead
+        # of ~30); when it says no, the mask decides (a complete grammar may still continue).
+        if self._terminated:
+            return True
+        if self._accepting() and self._m.is_stopped() and not self._m.is_error():
+            return True
+        return super().only_eos_allowed()
+
 
 @register_backend
 class LLGuidanceBackend(GrammarBackend):

@@ -10,7 +10,9 @@ arguments start, ``tool_calls.call_begin(name)``, and end, the end of their JSON
 Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
 
 - ``check_token(t)`` names the keyword that refuses ``t`` (the grammar allows it, the exact
-  schema does not), else None; it changes nothing. The sampling step masks refused tokens
+  schema does not), else None; it changes nothing a caller can see (the backend's matcher
+  keeps ``t`` accepted until the next call: ``accept_token(t)`` adopts it, with the forced
+  bytes after it, and anything else takes it back first). The sampling step masks refused tokens
   and resamples (``constrained.GrammarStep.verify``). It looks one step ahead: ``t`` is also
   refused when the text the grammar forces after it (``forced_bytes``, what jump-forward
   appends), or the end where only EOS may follow, completes a value the exact schema refuses:
@@ -212,6 +214,12 @@ class VerifiedMatcher(GrammarMatcher):
         # (state, bytes, the state after them): what ``_ahead`` fed last, for accept_tokens (a
         # state is immutable and ``feed`` a function of it and the bytes: never stale)
         self._fed: list[tuple[Any, bytes, Any]] = []
+        # A token ``_ahead`` left accepted by ``inner`` past ``_tokens`` (at depth
+        # len(_tokens)), with the forced bytes after it: ``accept_token`` of that token adopts
+        # it; anything else that reads or changes ``inner`` first rolls it back (``_release``).
+        self._held: int | None = None
+        self._held_forced = b""
+        self._forced_now: bytes | None = None  # forced_bytes() of this state, once known
 
     def _next(self, token_id: int) -> Any:
         """The tracker's state after ``token_id`` (EOS: the end), or the refusing keyword."""
@@ -242,34 +250,49 @@ class VerifiedMatcher(GrammarMatcher):
         """The keyword refusing what the grammar forces after ``token_id`` (the tracker at
         ``state`` after it), or None. The inner matcher is restored."""
         inner = self.inner
+        self._release()
         if not inner.accept_token(token_id):
             return None  # not allowed by the grammar: the mask handles it
-        try:
-            forced = inner.forced_bytes()
-            if forced:
-                if self.tracker.inert(state, forced):
-                    return None
-                after = self.tracker.feed(state, forced)
-                if isinstance(after, str):
-                    return after
-                # jump-forward appends ``forced`` after ``token_id`` (or re-spells both)
-                data = self.vocab.token_bytes[token_id] or b""
-                self._fed = [(state, forced, after), (self._states[-1], data + forced, after)]
+        # ``inner`` stays one token ahead: the step accepts a token that passes right after
+        # its check, and then reuses this acceptance and these forced bytes.
+        self._held = token_id
+        forced = self._held_forced = inner.forced_bytes()
+        if forced:
+            if self.tracker.inert(state, forced):
                 return None
-            if inner.is_completed():
-                end = self.tracker.end(state)
-                if isinstance(end, str) and inner.only_eos_allowed():
-                    return end
+            after = self.tracker.feed(state, forced)
+            if isinstance(after, str):
+                return after
+            # jump-forward appends ``forced`` after ``token_id`` (or re-spells both)
+            data = self.vocab.token_bytes[token_id] or b""
+            self._fed = [(state, forced, after), (self._states[-1], data + forced, after)]
             return None
-        finally:
-            inner.rollback(1)
+        if inner.is_completed():
+            end = self.tracker.end(state)
+            if isinstance(end, str) and inner.only_eos_allowed():
+                return end
+        return None
+
+    def _release(self) -> None:
+        """Roll ``inner`` back to ``_tokens`` if ``_ahead`` left a token accepted."""
+        if self._held is not None:
+            self._held = None
+            self.inner.rollback(1)
 
     def accept_token(self, token_id: int) -> bool:
         result = self._next(token_id)
-        if isinstance(result, str) or not self.inner.accept_token(token_id):
+        if isinstance(result, str):
             return False
+        forced = None
+        if self._held is not None and self._held == token_id:
+            self._held, forced = None, self._held_forced
+        else:
+            self._release()
+            if not self.inner.accept_token(token_id):
+                return False
         self._states.append(result)
         self._tokens.append(token_id)
+        self._forced_now = forced
         return True
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
@@ -285,8 +308,10 @@ class VerifiedMatcher(GrammarMatcher):
             after = self.tracker.feed(state, data)
             if isinstance(after, str):
                 return False  # refused by the bytes themselves: one of the tokens would be
+        self._release()
         if not self.inner.accept_tokens(token_ids):
             return False
+        self._forced_now = None
         self._states += [_LAZY] * (len(token_ids) - 1) + [after]
         self._tokens += token_ids
         self._tried = None
@@ -309,19 +334,26 @@ class VerifiedMatcher(GrammarMatcher):
         return state
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._release()
         self.inner.fill_bitmask(bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.inner.is_terminated()
+        return self.inner.is_terminated()  # a held token is never EOS: no release needed
 
     def is_completed(self) -> bool:
+        self._release()
         if self.inner.is_terminated():
             return True
         return self.inner.is_completed() and not isinstance(self.tracker.end(self._states[-1]), str)
 
+    def only_eos_allowed(self) -> bool:
+        return self.is_terminated() or (self.is_completed() and self.inner.only_eos_allowed())
+
     def rollback(self, num_tokens: int) -> None:
         self._check_rollback(num_tokens)
+        self._release()
         self.inner.rollback(num_tokens)
+        self._forced_now = None
         if num_tokens:
             del self._states[len(self._states) - num_tokens :]
             del self._tokens[len(self._tokens) - num_tokens :]
@@ -331,6 +363,7 @@ class VerifiedMatcher(GrammarMatcher):
             self._tried = None
 
     def fork(self) -> VerifiedMatcher:
+        self._release()
         m = VerifiedMatcher(self.inner.fork(), self.tracker)
         m._states, m._tokens = list(self._states), list(self._tokens)
         m._bans = {p: dict(b) for p, b in self._bans.items()}
@@ -367,11 +400,14 @@ class VerifiedMatcher(GrammarMatcher):
         return 1
 
     def forced_bytes(self) -> bytes:
-        return self.inner.forced_bytes()
+        if self._forced_now is None:
+            self._release()
+            self._forced_now = self.inner.forced_bytes()
+        return self._forced_now
 
     @property
     def num_accepted(self) -> int:
-        return self.inner.num_accepted
+        return self.inner.num_accepted - (self._held is not None)
 
 
 class VerifiedGrammar(CompiledGrammar):

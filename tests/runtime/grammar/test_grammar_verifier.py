@@ -9,9 +9,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from grammar_helpers import BACKENDS, BYTE_VOCAB, grammar_accepts
 
-from radixlm.runtime.grammar.base import get_backend
+from radixlm.runtime.grammar.base import GrammarMatcher, get_backend
+from radixlm.runtime.grammar.bitmask import allocate_bitmask
 from radixlm.runtime.grammar.constraint import Constraint
 from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
@@ -441,3 +443,54 @@ def test_accepting_the_forced_text_after_a_checked_token_reuses_its_state(monkey
     m.rollback(1)  # jump-forward re-spells the sampled token with the forced text
     assert m.accept_tokens(list(b"]}")) and m.is_completed()
     assert fed == []
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_checked_token_is_accepted_by_the_backend_once(backend: str, monkeypatch) -> None:
+    """``check_token(t)`` leaves ``t`` accepted by the backend's matcher; ``accept_token(t)``
+    then adopts it (one backend acceptance, forced bytes known), while anything else (another
+    token, a mask, a rollback, a fork) first takes it back: every answer is the one of a
+    matcher that never checked."""
+    grammar = get_backend(backend)(BYTE_VOCAB).compile(Constraint.from_params(json_schema=TAGS))
+    text = '{"n":1,"tags":["a","b"'
+    m, fresh = grammar.new_matcher(), grammar.new_matcher()
+    assert m.accept_tokens(list(text.encode())) and fresh.accept_tokens(list(text.encode()))
+    masks = allocate_bitmask(2, BYTE_VOCAB.vocab_size)
+    fresh.fill_bitmask(masks, 0)
+    for t in b"],x":
+        m.check_token(t)
+        assert m.num_accepted == len(text)
+        m.fill_bitmask(masks, 1)
+        assert torch.equal(masks[0], masks[1])
+    accepted: list[int] = []
+    inner_accept = m.inner.accept_token
+    monkeypatch.setattr(m.inner, "accept_token", lambda t: accepted.append(t) or inner_accept(t))
+    assert m.check_token(ord("]")) is None and m.check_token(ord(",")) is None
+    assert m.accept_token(ord(",")) and accepted == [ord("]"), ord(",")]  # "]" taken back
+    assert m.forced_bytes() == b'"' and m.num_accepted == len(text) + 1
+    m.rollback(1)
+    assert m.check_token(ord("]")) is None and m.accept_token(ord("]"))
+    assert accepted[-1:] == [ord("]")] and len(accepted) == 3  # adopted: no second acceptance
+    assert m.forced_bytes() == b"}" and fresh.accept_token(ord("]"))
+    assert fresh.forced_bytes() == b"}"
+    assert m.check_token(ord("}")) is None
+    fork = m.fork()
+    assert fork.num_accepted == m.num_accepted == len(text) + 1
+    assert fork.accept_token(ord("}")) and fork.only_eos_allowed()
+    m.rollback(1)
+    assert m.num_accepted == len(text) and m.accept_tokens(list(b"]}")) and m.only_eos_allowed()
+
+
+def test_llguidance_only_eos_allowed_agrees_with_the_mask() -> None:
+    """llguidance answers ``only_eos_allowed`` from its own state; along every prefix of
+    documents that end in a number (the grammar complete yet open) and in a bracket, the
+    answer is the mask's (``GrammarMatcher.only_eos_allowed``)."""
+    backend = get_backend("llguidance")(BYTE_VOCAB)
+    for schema, text in [({"type": "integer"}, "120"), (TAGS, '{"n":12,"tags":["a"]}'),
+                         ({"type": "array", "items": {"type": "integer"}}, "[1,22]")]:  # fmt: skip
+        m = backend.compile(Constraint.from_params(json_schema=schema)).new_matcher()
+        inner = m.inner if hasattr(m, "inner") else m
+        for byte in text.encode():
+            assert m.accept_token(byte)
+            assert inner.only_eos_allowed() == GrammarMatcher.only_eos_allowed(inner), text
+        assert inner.only_eos_allowed() == (text[-1] in "]}")
