@@ -10,6 +10,11 @@ may stand:
   ``jsonschema`` (format checker on) against each applicable object whose subtree holds a
   relaxed keyword; positions below ``anyOf`` / ``oneOf`` / ``if`` are checked by their nearest
   known ancestor. The root is always a known position, so a finished document is valid.
+  ``jsonschema_rs`` (compiled, ~100x faster) validates instead where the two cannot
+  disagree: a schema object whose subtree (through its references) holds no regex, format,
+  ``multipleOf`` or scope keyword (``_RS_UNSAFE``) and only references into ``$defs`` /
+  ``definitions``; the official suite's instances for such schemas get the same verdicts from
+  both (a test keeps this true).
 - cheaper and earlier: an array item equal to an earlier one (``uniqueItems``), a key against
   ``propertyNames``, the text of an open string against a lookaround ``pattern`` (the ``regex``
   package's partial matching: refused once no continuation can match).
@@ -25,6 +30,11 @@ from typing import Any
 
 import jsonschema
 import regex
+
+try:
+    import jsonschema_rs
+except ImportError:  # pragma: no cover - the grammar extra installs it
+    jsonschema_rs = None
 
 from radixlm.runtime.grammar.disjoint import json_equal
 from radixlm.runtime.grammar.json_track import Nodes
@@ -44,6 +54,14 @@ _MAX_CACHED_VALUES = 4096  # the value cache is emptied when it reaches this siz
 _MAP_KEYS = frozenset({*SCHEMA_MAPS, "dependencies"})
 _SUBSCHEMA_KEYS = frozenset({*SCHEMA_MAPS, *SCHEMA_VALUES, *SCHEMA_LISTS, "items",
                              "dependencies"})  # fmt: skip
+# Keys where ``jsonschema`` and ``jsonschema_rs`` may disagree: regex dialects (``re`` against
+# Rust's), format checkers, float arithmetic, resolution scopes. On the official suite's other
+# schemas both give the same verdicts (``test_rs_and_jsonschema_agree_on_the_suite``).
+_RS_UNSAFE = frozenset({"format", "pattern", "patternProperties", "multipleOf", "$id", "id",
+                        "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef",
+                        "$recursiveAnchor", "$vocabulary", "contentEncoding", "contentMediaType",
+                        "contentSchema", "dependencies"})  # fmt: skip
+_RS_REF_ROOTS = ("$defs", "definitions")  # where references ``jsonschema_rs`` follows may point
 
 
 class SchemaVerifier:
@@ -59,6 +77,7 @@ class SchemaVerifier:
         # (ids of the checked schema objects, value text) -> the refusing keyword or None
         self._values: dict[tuple[tuple[int, ...], str], str | None] = {}
         self._validators: dict[int, Any] = {}
+        self._fast: dict[int, Any] = {}  # id(node) -> its jsonschema_rs validator, or None
         self.root: Nodes = self._expand(schema)
 
     @classmethod
@@ -137,7 +156,68 @@ class SchemaVerifier:
             v = self._validators[id(node)] = self._validator.evolve(schema=node)
         return v
 
+    def _fast_validator(self, node: Any) -> Any:
+        """``node``'s ``jsonschema_rs`` validator where it cannot disagree with ``jsonschema``
+        (see the module docstring), else None. Compiled once per node, with the draft of
+        ``jsonschema``'s validator and the root's ``$defs`` / ``definitions`` beside it."""
+        key = id(node)
+        if key in self._fast:
+            return self._fast[key]
+        fast = None
+        if jsonschema_rs is not None and isinstance(node, dict) and self._rs_safe(node, set()):
+            doc = {k: v for k, v in node.items() if k not in _RS_REF_ROOTS}
+            for name in _RS_REF_ROOTS:
+                if isinstance(self.schema.get(name), dict):
+                    doc[name] = self.schema[name]
+            doc["$schema"] = self._validator.META_SCHEMA["$schema"]
+            try:
+                fast = jsonschema_rs.validator_for(doc)
+            except Exception:  # noqa: BLE001 - what it cannot compile, jsonschema validates
+                fast = None
+        self._fast[key] = fast
+        return fast
+
+    def _rs_safe(self, node: Any, seen: set[int]) -> bool:
+        """No ``_RS_UNSAFE`` keyword in schema ``node`` or its subschemas (following local
+        references, which must point into the root's ``$defs`` / ``definitions``)."""
+        if not isinstance(node, dict) or id(node) in seen:
+            return True  # a boolean schema, or one checked already
+        seen.add(id(node))
+        if not _RS_UNSAFE.isdisjoint(node):
+            return False
+        ref = node.get("$ref")
+        if ref is not None:
+            target = resolve_pointer(self.schema, ref)
+            roots = tuple(f"#/{name}/" for name in _RS_REF_ROOTS)
+            if not (isinstance(ref, str) and ref.startswith(roots)) or target is None:
+                return False
+            if not self._rs_safe(target, seen):
+                return False
+        subs: list[Any] = []
+        for key, value in node.items():
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                subs += value.values()
+            elif key in SCHEMA_VALUES:
+                subs.append(value)
+            elif key in SCHEMA_LISTS or key == "items":
+                subs += value if isinstance(value, list) else [value]
+        return all(self._rs_safe(sub, seen) for sub in subs)
+
     def _refusal(self, node: Any, instance: Any) -> str | None:
+        fast = self._fast_validator(node)
+        if fast is not None:
+            try:
+                if fast.is_valid(instance):
+                    return None
+                error = next(fast.iter_errors(instance), None)
+            except Exception:  # noqa: BLE001 - an instance it cannot take: jsonschema decides
+                pass
+            else:
+                # Named here when its path holds a relaxed keyword; else (an ``anyOf`` whose
+                # branches all fail, ...) ``jsonschema``'s ranking of the branches names it.
+                keyword = None if error is None else _reported(error.schema_path)
+                if keyword is not None:
+                    return keyword
         # One lazy pass: the first error names the keyword (``best_match`` of it alone still
         # descends into an ``anyOf`` / ``oneOf`` error's branches; ranking every error would
         # validate the whole value again for a name).
@@ -297,11 +377,15 @@ def _keyword_of(error: Any) -> str:
     else the error's own)."""
     if error is None:
         return "schema"
-    path = [p for p in error.absolute_schema_path if isinstance(p, str)]
-    for p in reversed(path):
+    return _reported(error.absolute_schema_path) or str(error.validator)
+
+
+def _reported(path: Any) -> str | None:
+    """The deepest relaxed keyword on a validation error's schema path, if any."""
+    for p in reversed([p for p in path if isinstance(p, str)]):
         if p in _REPORTED:
             return "if" if p in ("then", "else") else p
-    return str(error.validator)
+    return None
 
 
 _REPORTED = frozenset({"uniqueItems", "not", "propertyNames", "if", "then", "else", "oneOf",
