@@ -141,11 +141,12 @@ class ToolCallsTracker:
         i = 0
         while i < len(text):
             if head is None:
-                tail = (tail + text[i])[-self._keep :]
-                i += 1
-                head = next((h for h in self.verifiers if tail.endswith(h)), None)
-                if head is not None:
-                    tail, scan, base = "", ScanState(), state.chars + i
+                head, end = self._find_head(tail, text, i)
+                if head is None:
+                    tail, i = (tail + text[i:])[-self._keep :], len(text)
+                else:
+                    tail, scan, i = "", ScanState(), end
+                    base = state.chars + i
                 continue
             v = self.verifiers[head]
             result = advance_value(scan, text[i:], v, v.root)
@@ -156,6 +157,18 @@ class ToolCallsTracker:
             if ended(scan):
                 head, scan = None, ScanState()
         return CallsState(tail, head, scan, pending, state.chars + len(text), base)
+
+    def _find_head(self, tail: str, text: str, i: int) -> tuple[str | None, int]:
+        """The head that ends first in ``tail + text[i:]`` past ``tail`` (the text followed
+        before ``text[i]``, in which none ends), and where it ends in ``text``; else
+        (None, 0). As if ``tail`` grew a character at a time, each checked for every head."""
+        window = tail + text[i:]
+        found, first = None, len(window) + 1
+        for h in self.verifiers:
+            at = window.find(h, max(0, len(tail) - len(h) + 1))
+            if at >= 0 and at + len(h) < first:
+                found, first = h, at + len(h)
+        return found, (first - len(tail) + i if found is not None else 0)
 
     def inert(self, state: CallsState, data: bytes) -> bool:
         return state.head is not None and _inert(state.scan, data)

@@ -106,6 +106,9 @@ def test_choices(backend: str, tokenizer: Any, compile_for: Compile) -> None:
     assert not _allowed(m, tokenizer.convert_tokens_to_ids("c"))
     m = compile_for(backend, c).new_matcher()
     assert not m.accept_tokens(_tokens(tokenizer, "x|y z"))
+    # all or none: the refused run left nothing accepted (one call for a run in llguidance)
+    assert m.num_accepted == 0 and m.accept_tokens(_tokens(tokenizer, "x|y (z)"))
+    assert m.is_completed()
 
 
 def test_ebnf_xgrammar(tokenizer: Any, compile_for: Compile) -> None:

@@ -19,7 +19,7 @@ from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
 from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
-from radixlm.runtime.grammar.verified import _LAZY, VerifiedGrammar
+from radixlm.runtime.grammar.verified import _LAZY, ToolCallsTracker, VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
 from radixlm.tool_calls import call_begin
 
@@ -527,3 +527,32 @@ def test_rs_and_jsonschema_agree_on_the_suite(draft: str) -> None:
                 where = (path.name, group["description"], case["description"], refusal)
                 assert (refusal is None) == case["valid"], where
     assert checked > 200 and left > 50, (checked, left)
+
+
+def test_tool_call_heads_are_found_however_the_text_is_split() -> None:
+    """``ToolCallsTracker`` finds each call's head (where checked arguments start) in text
+    fed in pieces of any size, as fed a character at a time: the same states, the same
+    refusal of a repeated item in the second call's arguments."""
+    tags = {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": True}}}
+    tracker = ToolCallsTracker({call_begin(n): SchemaVerifier.from_text(
+        verifier_schema_text(json.dumps(tags)) or "") for n in ("f", "ff")})  # fmt: skip
+    good = f'x{call_begin("ff")}{{"t":[1,2]}} and {call_begin("f")}{{"t":[3]}}'
+    bad = f'{call_begin("f")}{{"t":[]}}{call_begin("ff")}{{"t":[4,4]}}'
+
+    def fed(text: str, sizes: list[int]) -> Any:
+        state, data, k = tracker.start(), text.encode(), 0
+        for size in sizes * len(data):
+            if k >= len(data):
+                break
+            state = tracker.feed(state, data[k : k + size])
+            if isinstance(state, str):
+                return state
+            k += size
+        return state
+
+    for text in (good, bad):
+        one_by_one = fed(text, [1])
+        for sizes in ([len(text)], [2], [3, 1], [7], [5, 11]):
+            assert fed(text, sizes) == one_by_one, (text, sizes)
+    assert fed(bad, [1]) == "uniqueItems" and not isinstance(fed(good, [1]), str)
+    assert fed(good, [1]).head is None and fed(good[:-2], [1]).head == call_begin("f")
