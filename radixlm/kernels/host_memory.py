@@ -12,6 +12,10 @@ in at allocation (start-up), never by a forward (a huge-page fault zeroes 2 MB a
 memory first). That costs start-up time: the engine's first `Engine()` measured 9.2-10.1 s vs
 6.3-7.7 s with 4 KB pages (SmolLM2-135M, a ~5 GB KV pool, 2 cores; a huge-page fault of memory
 the VM has not touched yet is slow). Buffers under 2 MB are ordinary `torch.zeros`.
+
+`keep_freed_memory` keeps what a forward frees for the next one: torch's CPU allocator takes
+every activation from malloc, and glibc maps each one over its threshold anew (and trims its
+heaps' freed tops), so each forward faulted in and zeroed its activations again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,24 @@ import mmap
 import torch
 
 _HUGE = 2 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_KEEP = 1 << 30  # bytes: larger allocations are still mapped, and unmapped when freed
+
+
+def keep_freed_memory() -> bool:
+    """glibc's malloc (process-wide) keeps freed blocks of up to 1 GB for reuse: no mapping per
+    allocation, no trimming of the heaps (the process keeps its peak heap). SmolLM2-135M, 16
+    prompts of 128-512 tokens with 16 tokens out, 2 threads: 51k-364k page faults and 0.2-1.1 s
+    of system time per round before, under 100 faults and 0.01 s after. False where it does not
+    apply (not glibc, or a glibc that refuses the thresholds; then 32 MB, its usual ceiling)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    if not mallopt(_M_MMAP_THRESHOLD, _KEEP) and not mallopt(_M_MMAP_THRESHOLD, 32 << 20):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, _KEEP))
 
 
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from radixlm.config import CacheConfig, EngineConfig
 from radixlm.kernels.forward_batch import KVCache
+from radixlm.kernels.host_memory import keep_freed_memory
 from radixlm.radix import BlockPool, HybridBlockPool, RadixCache
 from radixlm.runtime.constrained import GrammarStep
 from radixlm.runtime.cpu_threads import release_idle_teams
@@ -60,6 +61,7 @@ class EngineParts:
         self.runner = self._make_runner()
         if self.device.type == "cpu":
             release_idle_teams()  # the loading thread's team; the loop thread makes its own
+            keep_freed_memory()  # activations reused, not faulted in again by every forward
         self.max_model_len: int = self.runner.max_model_len
         num_swa_pages = getattr(self.runner, "num_swa_pages", None)
         if num_swa_pages is None:
