@@ -71,8 +71,9 @@ class KeywordStats:
 
 
 # A fresh (token, logprob) for row i of the step's masked logits, or None when the row allows
-# no token any more (a dead end).
-Redraw = Callable[[int], tuple[int, Any] | None]
+# no token any more (a dead end); the list: the tokens of row i set to -inf since its last
+# redraw (all of them after the first: ``Sampler.redraw`` then sums only their blocks).
+Redraw = Callable[[int, list[int]], tuple[int, Any] | None]
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ class GrammarStep:
     ) -> dict[int, SampleError]:
         """Sample, check, mask, resample: for each row whose matcher has a verifier, while
         the exact schema refuses ``tokens[i]``, set ``logits[i, tokens[i]] = -inf`` and take
-        ``redraw(i)`` (a fresh (token, logprob) from the masked row, None when none is left).
+        ``redraw(i, removed)`` (a fresh (token, logprob) from the masked row, None when none is
+        left; ``removed``: the tokens masked since the row's last redraw).
         ``tokens`` / ``logprobs`` are updated in place; returns the rows left with no token
         (their requests fail with code ``DEAD_END``). ``logits`` is the step's private masked
         copy."""
@@ -211,12 +213,13 @@ class GrammarStep:
             while tokens[i] not in passed and (keyword := m.check_token(tokens[i])) is not None:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
+                removed = [tokens[i]]
                 with torch.inference_mode():  # the runner's logits are inference tensors
                     logits[i, tokens[i]] = float("-inf")
                     if redraws >= _MAX_REDRAWS:
-                        self._mask_refused(m, logits[i], scan, passed)
+                        removed += self._mask_refused(m, logits[i], scan, passed)
                         scan *= 2
-                drawn = redraw(i)
+                drawn = redraw(i, removed)
                 if drawn is None:
                     stats.dead_ends += 1
                     errors[i] = SampleError(
@@ -245,14 +248,14 @@ class GrammarStep:
     @staticmethod
     def _mask_refused(
         matcher: VerifiedMatcher, row: torch.Tensor, most: int, passed: set[int]
-    ) -> None:
+    ) -> list[int]:
         """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
-        verifier refuses; those it admits join ``passed`` (not checked again). Not all of them:
-        inside a string with a prefix check each is a scan. The redraw that follows is still
-        exact: masking refused tokens leaves the others' odds as they were."""
+        verifier refuses (returned); those it admits join ``passed`` (not checked again). Not
+        all of them: inside a string with a prefix check each is a scan. The redraw that
+        follows is still exact: masking refused tokens leaves the others' odds as they were."""
         allowed = int(torch.isfinite(row).sum())
         if allowed == 0:
-            return
+            return []
         top = torch.topk(row, min(most, allowed)).indices.tolist()
         refused = []
         for t in top:
@@ -263,6 +266,7 @@ class GrammarStep:
                     refused.append(t)
         if refused:
             row[torch.tensor(refused, device=row.device)] = float("-inf")
+        return refused
 
     @staticmethod
     def _suppress(bitmask: torch.Tensor, row: int, token_ids: list[int]) -> None:

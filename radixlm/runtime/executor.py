@@ -466,10 +466,10 @@ class Executor:
         if matchers is not None:
             assert self.grammar is not None
 
-            def redraw(i: int) -> tuple[int, TokenLogprob | None] | None:
+            def redraw(i: int, removed: list[int]) -> tuple[int, TokenLogprob | None] | None:
                 row = kept.get(i)
                 if row is not None and not reqs[i].params.logprobs:
-                    tok = self.sampler.redraw(row, logits[i], self._generator(reqs[i]))
+                    tok = self.sampler.redraw(row, logits[i], self._generator(reqs[i]), removed)
                     if tok is not None:
                         return tok, None
                     kept.pop(i)

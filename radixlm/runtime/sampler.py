@@ -68,6 +68,9 @@ class RowDraw:
 
     greedy: bool
     values: Tensor  # [V] float32 (greedy: may alias the caller's logits row)
+    # A sampled row's block sums of ``values`` as the CPU op's last redraw left them (float64
+    # [ceil(V / 256)]): the next redraw given the tokens removed since sums only their blocks.
+    sums: Tensor | None = None
 
 
 def apply_penalties(logits: Tensor, info: SamplingBatchInfo) -> Tensor:
@@ -260,20 +263,35 @@ class Sampler:
                     out.kept[i] = RowDraw(False, probs[j])  # type: ignore[index]
         return out
 
-    def redraw(self, row: RowDraw, logits: Tensor, generator: torch.Generator | None) -> int | None:
+    def redraw(
+        self,
+        row: RowDraw,
+        logits: Tensor,
+        generator: torch.Generator | None,
+        removed: list[int] | None = None,
+    ) -> int | None:
         """A fresh draw for a kept row with the tokens where ``logits`` ``[V]`` (the row's
         masked logits) is -inf taken out: the same as the sampler's draw on ``logits``, without
         a second pass of the sampler; ``row`` keeps them out (in place) for the next redraw.
         A sampled row draws one uniform from ``generator`` (else the shared default). None
         when the row cannot tell exactly (no score left, or under ``_MIN_REDRAW_MASS`` of
         probability, where tokens whose probability underflowed to 0 would matter): the caller
-        runs the sampler instead. On CPU a compiled op (``sampling_ops.cpp``), else torch."""
+        runs the sampler instead. On CPU a compiled op (``sampling_ops.cpp``), else torch.
+        ``removed``: the tokens set to -inf in ``logits`` since this row's last redraw (all of
+        them, when there was one): a sampled row then sums again only their blocks of the
+        row, not the whole row (the same token, bit for bit)."""
         if row.values.dtype != torch.float32:
             row.values = row.values.float()  # [V] (a greedy row's bf16 logits)
         u = 0.0 if row.greedy else float(self._uniform(generator, row.values.device))
         op = _cpu_op(row.values)
         if op is not None and logits.is_contiguous():
-            tok = op.redraw_row_(row.values, logits, row.greedy, u, _MIN_REDRAW_MASS)
+            if row.sums is not None and removed is not None:
+                ids = torch.tensor(removed, dtype=torch.long)
+                tok = op.redraw_removed_(row.values, row.sums, ids, u, _MIN_REDRAW_MASS)
+            else:
+                if not row.greedy:
+                    row.sums = torch.empty(-(-row.values.shape[0] // 256), dtype=torch.float64)
+                tok = op.redraw_row_(row.values, logits, row.greedy, u, _MIN_REDRAW_MASS, row.sums)
             return None if tok < 0 else tok
         removed = torch.isneginf(logits)  # [V]
         if row.greedy:

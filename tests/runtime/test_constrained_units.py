@@ -204,7 +204,13 @@ def test_verify_scans_the_likeliest_tokens_after_a_few_redraws():
     for k, c in enumerate(order):
         logits[0, c] = 100.0 - k
 
-    def redraw(i: int) -> tuple[int, None]:
+    gone = set(torch.nonzero(torch.isneginf(logits[0])).flatten().tolist())
+
+    def redraw(i: int, removed: list[int]) -> tuple[int, None]:
+        # told exactly the tokens masked since the last redraw (``Sampler.redraw`` relies on it)
+        now = set(torch.nonzero(torch.isneginf(logits[i])).flatten().tolist())
+        assert set(removed) == now - gone and len(removed) == len(set(removed))
+        gone.update(removed)
         return int(logits[i].argmax()), None
 
     tokens = [ord("a")]

@@ -441,6 +441,37 @@ def test_redraw_row_op_is_inverse_cdf_without_removed(vocab: int, dtype: torch.d
     assert op.redraw_row_(scores.clone(), none_left, True, 0.0, 1e-4) == -1
 
 
+@pytest.mark.parametrize("vocab", [300, 49152 + 7])
+def test_redraw_of_the_removed_tokens_is_the_full_redraw_bit_for_bit(vocab: int) -> None:
+    """``redraw_removed_`` (the next redraw of a row given only the tokens removed since, its
+    block sums kept by the last one) leaves the values and block sums, and draws the token, that
+    ``redraw_row_``'s full pass over the masked logits gives, bit for bit, removal after
+    removal; -1 once too little mass is left."""
+    from radixlm.kernels.cpu.build import load_op
+
+    op = load_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen)
+    logits[torch.rand(vocab, generator=gen) < 0.4] = float("-inf")
+    probs = (torch.randn(vocab, generator=gen) * 3).softmax(-1)
+    probs[torch.isneginf(logits)] = 0.0  # what the sampler drew from: the masked row
+    nb = -(-vocab // 256)
+    values, sums = probs.clone(), torch.empty(nb, dtype=torch.float64)
+    tok = op.redraw_row_(values, logits, False, 0.3, 1e-4, sums)
+    for k in range(40):
+        removed = [tok] + (torch.randint(vocab, (2,), generator=gen).tolist() if k % 3 else [])
+        logits[removed] = float("-inf")
+        u = float(torch.rand(1, generator=gen))
+        tok = op.redraw_removed_(values, sums, torch.tensor(removed), u, 1e-4)
+        full, full_sums = probs.clone(), torch.empty(nb, dtype=torch.float64)
+        assert tok == op.redraw_row_(full, logits, False, u, 1e-4, full_sums)
+        assert torch.equal(values, full) and torch.equal(sums, full_sums)
+        assert tok >= 0 and not torch.isneginf(logits[tok])
+    rest = torch.nonzero(values > 0).flatten().tolist()
+    assert op.redraw_removed_(values, sums, torch.tensor(rest), 0.5, 1e-4) == -1
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_redraw_is_the_sampler_with_tokens_removed(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
@@ -468,6 +499,16 @@ def test_redraw_is_the_sampler_with_tokens_removed(
     assert sampler.redraw(row, masked[0], None) != 3
     masked[0, 0] = float("-inf")
     assert all(sampler.redraw(row, masked[0], None) in (1, 2, 4) for _ in range(50))
+    # the verifier's path: each redraw told the tokens removed since the last one
+    tokens = []
+    for _ in range(4000):
+        row = sampler(logits, info, keep=True).kept[0]  # type: ignore[index]
+        first = masked[0].clone()
+        first[0] = 0.0  # token 3 only, first
+        assert sampler.redraw(row, first, None, [3]) != 3
+        tokens.append(sampler.redraw(row, masked[0], None, [0]))
+    expected = (masked[0] / temp).softmax(-1)
+    assert chi_square_on(tokens, expected, expected > 0) < 13.8  # df = 2, 0.999 quantile
     assert sampler.redraw(row, torch.full((V,), float("-inf")), None) is None
 
     mixed = build(

@@ -17,13 +17,15 @@
 // batch-8 decode step for 8 rows).
 // Twin: radixlm.runtime.grammar.bitmask.apply_token_bitmask_torch.
 //
-// redraw_row_(values, logits, greedy, u, min_mass) -> int: the verifier's resample of one row
+// redraw_row_(values, logits, greedy, u, min_mass, sums?) -> int: the verifier's resample of one row
 // (radixlm.runtime.sampler.Sampler.redraw; its torch path is the twin). Wherever logits[t] is
 // -inf (the grammar's mask and the refused tokens), values[t] becomes -inf (greedy: values are
 // scores, the draw is their first argmax) or 0 (values are probabilities, the draw is the first
 // t whose running sum exceeds u * total, inverse-CDF in vocabulary order as `pick`); -1 when no
 // score is left or the mass left is under min_mass. One pass zeroes and sums blocks of 256, a
 // second walks the block sums and then one block: ~10 us a row against ~130 us of torch ops.
+// A sampled row's block sums go to `sums` when given, for redraw_removed_ (below): the next
+// redraw of that row then sums only the blocks of the tokens removed since.
 //
 // sample_rows(x, temps, top_ks, top_ps, min_ps, u, probs) -> int64 [R]: the sampled rows of
 // radixlm.runtime.sampler.Sampler._sample (its torch ops are the twin): probs[r] =
@@ -46,6 +48,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <type_traits>
 #include <vector>
@@ -281,6 +284,19 @@ void fill_removed(float* p, const L* lg, int64_t V, float fill) {
     if (is_ninf(lg[t])) p[t] = fill;
 }
 
+// The sum (double) of block b of p: one fixed order, so a block summed again alone (after a
+// token in it was removed) gives the bits a pass over the whole row would.
+double block_sum(const float* p, int64_t V, int64_t b) {
+  const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
+  Sum16 acc;
+  int64_t t = lo;
+  for (; t + 16 <= hi; t += 16)
+    for (int j = 0; j < Sum16::kVecs; ++j) acc.v[j] += load_v(p + t + j * W);
+  double s = acc.total<double>();
+  for (; t < hi; ++t) s += p[t];
+  return s;
+}
+
 // Block sums of p (double) into sums; returns their total. With lg, each block's removed
 // tokens are zeroed first (fill_removed, one pass over the row instead of two).
 template <typename L = float>
@@ -291,14 +307,8 @@ double block_sums(float* p, int64_t V, std::vector<double>& sums, const L* lg = 
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = b * kRedrawBlock, hi = std::min(V, lo + kRedrawBlock);
     if (lg != nullptr) fill_removed(p + lo, lg + lo, hi - lo, 0.f);
-    Sum16 acc;
-    int64_t t = lo;
-    for (; t + 16 <= hi; t += 16)
-      for (int j = 0; j < Sum16::kVecs; ++j) acc.v[j] += load_v(p + t + j * W);
-    double s = acc.total<double>();
-    for (; t < hi; ++t) s += p[t];
-    sums[b] = s;
-    total += s;
+    sums[b] = block_sum(p, V, b);
+    total += sums[b];
   }
   return total;
 }
@@ -326,7 +336,8 @@ int64_t walk(const float* p, int64_t V, const std::vector<double>& sums, double 
 }
 
 template <typename L>
-int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass) {
+int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, double min_mass,
+                   double* keep_sums) {
   if (greedy) {
     fill_removed(p, lg, V, -std::numeric_limits<float>::infinity());
     const int64_t best = argmax_row(p, V);
@@ -334,12 +345,44 @@ int64_t redraw_row(float* p, const L* lg, int64_t V, bool greedy, double u, doub
   }
   std::vector<double> sums;
   const double total = block_sums(p, V, sums, lg);
+  if (keep_sums != nullptr) std::copy(sums.begin(), sums.end(), keep_sums);
   if (!(total >= min_mass)) return -1;
   return walk(p, V, sums, u * total);
 }
 
+// redraw_removed_(values, sums, removed, u, min_mass) -> int: a sampled row's next redraw when
+// only the tokens `removed` left the row since the last one (values and their block sums `sums`
+// as that redraw_row_ / redraw_removed_ left them): those tokens zeroed, their blocks summed
+// again alone, then the same walk. The same token as redraw_row_ on the masked logits (the
+// same sums, bit for bit), without its pass over the row.
+int64_t redraw_removed_(at::Tensor values, at::Tensor sums, const at::Tensor& removed, double u,
+                        double min_mass) {
+  TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat,
+              "values must be a contiguous float32 [V]");
+  const int64_t V = values.size(0), nb = (V + kRedrawBlock - 1) / kRedrawBlock;
+  TORCH_CHECK(sums.dim() == 1 && sums.is_contiguous() && sums.scalar_type() == at::kDouble &&
+                  sums.size(0) == nb,
+              "sums must be a contiguous float64 [ceil(V / 256)]");
+  TORCH_CHECK(removed.dim() == 1 && removed.scalar_type() == at::kLong, "removed must be int64");
+  float* p = values.data_ptr<float>();
+  double* s = sums.data_ptr<double>();
+  const int64_t* rm = removed.data_ptr<int64_t>();
+  for (int64_t i = 0; i < removed.size(0); ++i)
+    TORCH_CHECK(rm[i] >= 0 && rm[i] < V, "removed token ", rm[i], " out of range");
+  for (int64_t i = 0; i < removed.size(0); ++i) p[rm[i]] = 0.f;
+  for (int64_t i = 0; i < removed.size(0); ++i) {
+    const int64_t b = rm[i] / kRedrawBlock;
+    s[b] = block_sum(p, V, b);
+  }
+  std::vector<double> block(s, s + nb);
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) total += block[b];
+  if (!(total >= min_mass)) return -1;
+  return walk(p, V, block, u * total);
+}
+
 int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, double u,
-                    double min_mass) {
+                    double min_mass, const std::optional<at::Tensor>& sums) {
   TORCH_CHECK(values.dim() == 1 && values.is_contiguous() && values.scalar_type() == at::kFloat,
               "values must be a contiguous float32 [V]");
   TORCH_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.size(0) == values.size(0),
@@ -347,10 +390,17 @@ int64_t redraw_row_(at::Tensor values, const at::Tensor& logits, bool greedy, do
   const int64_t V = values.size(0);
   TORCH_CHECK(V > 0, "empty row");
   float* p = values.data_ptr<float>();
+  double* keep = nullptr;  // the block sums, for redraw_removed_ (sampled rows)
+  if (sums.has_value() && sums->defined()) {
+    TORCH_CHECK(sums->dim() == 1 && sums->is_contiguous() && sums->scalar_type() == at::kDouble &&
+                    sums->size(0) == (V + kRedrawBlock - 1) / kRedrawBlock,
+                "sums must be a contiguous float64 [ceil(V / 256)]");
+    keep = sums->data_ptr<double>();
+  }
   if (logits.scalar_type() == at::kFloat)
-    return redraw_row(p, logits.data_ptr<float>(), V, greedy, u, min_mass);
+    return redraw_row(p, logits.data_ptr<float>(), V, greedy, u, min_mass, keep);
   if (logits.scalar_type() == at::kBFloat16)
-    return redraw_row(p, logits.data_ptr<c10::BFloat16>(), V, greedy, u, min_mass);
+    return redraw_row(p, logits.data_ptr<c10::BFloat16>(), V, greedy, u, min_mass, keep);
   TORCH_CHECK(false, "logits must be float32 or bfloat16");
 }
 
@@ -492,7 +542,11 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("apply_token_bitmask_(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def(
-      "redraw_row_(Tensor(a!) values, Tensor logits, bool greedy, float u, float min_mass) -> int");
+      "redraw_row_(Tensor(a!) values, Tensor logits, bool greedy, float u, float min_mass, "
+      "Tensor(b!)? sums=None) -> int");
+  m.def(
+      "redraw_removed_(Tensor(a!) values, Tensor(b!) sums, Tensor removed, float u, "
+      "float min_mass) -> int");
   m.def(
       "sample_rows(Tensor x, Tensor temps, Tensor top_ks, Tensor top_ps, Tensor min_ps, Tensor u, "
       "Tensor(a!) probs) -> Tensor");
@@ -502,5 +556,6 @@ TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
   m.impl("apply_token_bitmask_", &apply_token_bitmask_);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("redraw_row_", &redraw_row_);
+  m.impl("redraw_removed_", &redraw_removed_);
   m.impl("sample_rows", &sample_rows);
 }
