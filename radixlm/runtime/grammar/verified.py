@@ -261,7 +261,8 @@ class VerifiedMatcher(GrammarMatcher):
 
     def _ahead(self, token_id: int, state: Any) -> str | None:
         """The keyword refusing what the grammar forces after ``token_id`` (the tracker at
-        ``state`` after it), or None. The inner matcher is restored."""
+        ``state`` after it), or None. The inner matcher is left with ``token_id`` accepted
+        (``_held``) when the grammar allows it."""
         inner = self.inner
         self._release()
         if not inner.accept_token(token_id):
