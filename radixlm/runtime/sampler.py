@@ -40,6 +40,9 @@ CANDIDATE_WIDTHS = (64, 1024)
 # A redraw from kept probabilities needs this much mass left; below it, tokens whose probability
 # underflowed to 0 could matter, and the sampler draws from the logits instead.
 _MIN_REDRAW_MASS = 1e-4
+# Tokens per block of a redraw's block sums (``RowDraw.sums``): ``kRedrawBlock`` of
+# ``sampling_ops.cpp``, which checks the length it is given.
+REDRAW_BLOCK = 256
 
 
 @dataclass
@@ -290,7 +293,8 @@ class Sampler:
                 tok = op.redraw_removed_(row.values, row.sums, ids, u, _MIN_REDRAW_MASS)
             else:
                 if not row.greedy:
-                    row.sums = torch.empty(-(-row.values.shape[0] // 256), dtype=torch.float64)
+                    nb = -(-row.values.shape[0] // REDRAW_BLOCK)
+                    row.sums = torch.empty(nb, dtype=torch.float64)
                 tok = op.redraw_row_(row.values, logits, row.greedy, u, _MIN_REDRAW_MASS, row.sums)
             return None if tok < 0 else tok
         removed = torch.isneginf(logits)  # [V]

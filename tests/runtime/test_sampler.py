@@ -448,6 +448,7 @@ def test_redraw_of_the_removed_tokens_is_the_full_redraw_bit_for_bit(vocab: int)
     ``redraw_row_``'s full pass over the masked logits gives, bit for bit, removal after
     removal; -1 once too little mass is left."""
     from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import REDRAW_BLOCK
 
     op = load_op()
     assert op is not None
@@ -456,7 +457,7 @@ def test_redraw_of_the_removed_tokens_is_the_full_redraw_bit_for_bit(vocab: int)
     logits[torch.rand(vocab, generator=gen) < 0.4] = float("-inf")
     probs = (torch.randn(vocab, generator=gen) * 3).softmax(-1)
     probs[torch.isneginf(logits)] = 0.0  # what the sampler drew from: the masked row
-    nb = -(-vocab // 256)
+    nb = -(-vocab // REDRAW_BLOCK)
     values, sums = probs.clone(), torch.empty(nb, dtype=torch.float64)
     tok = op.redraw_row_(values, logits, False, 0.3, 1e-4, sums)
     for k in range(40):

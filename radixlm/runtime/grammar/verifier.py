@@ -62,6 +62,7 @@ _RS_UNSAFE = frozenset({"format", "pattern", "patternProperties", "multipleOf", 
                         "$recursiveAnchor", "$vocabulary", "contentEncoding", "contentMediaType",
                         "contentSchema", "dependencies"})  # fmt: skip
 _RS_REF_ROOTS = ("$defs", "definitions")  # where references ``jsonschema_rs`` follows may point
+_RS_REF_PREFIXES = tuple(f"#/{name}/" for name in _RS_REF_ROOTS)
 
 
 class SchemaVerifier:
@@ -188,8 +189,7 @@ class SchemaVerifier:
         ref = node.get("$ref")
         if ref is not None:
             target = resolve_pointer(self.schema, ref)
-            roots = tuple(f"#/{name}/" for name in _RS_REF_ROOTS)
-            if not (isinstance(ref, str) and ref.startswith(roots)) or target is None:
+            if not (isinstance(ref, str) and ref.startswith(_RS_REF_PREFIXES)) or target is None:
                 return False
             if not self._rs_safe(target, seen):
                 return False
