@@ -199,6 +199,31 @@ def _positive_class(negated_class: str) -> str | None:
     return "[" + "".join(f"\\u{a:04x}" + (f"-\\u{b:04x}" if b > a else "") for a, b in ranges) + "]"
 
 
+_ANY_TEXT = "[\\s\\S]*"  # any characters, line terminators included (ECMA's ``.`` excludes them)
+
+
+def as_full_match(pattern: str) -> str:
+    """A regex whose full matches are the strings that ``pattern`` (JSON Schema's: a search,
+    unanchored) matches somewhere, for a backend that reads schema patterns as full matches
+    (xgrammar 0.2.8: its issue #838). ``^X$`` stays; ``^X`` -> ``(?:X)[\\s\\S]*``; ``X$`` ->
+    ``[\\s\\S]*(?:X)``; ``X`` -> both. A pattern with another anchor (inside a group, or beside
+    a top-level ``|``) is left as it is: matched in full, stricter than the schema, never
+    looser."""
+    positions = list(regex_syntax_positions(pattern))
+    n = len(pattern)
+    lead = n > 0 and pattern[0] == "^"
+    trail = n > 0 and pattern[-1] == "$" and (n - 1) in positions  # ``\\$`` is a literal
+    for i in positions:
+        if pattern[i] in "^$" and not (i == 0 and lead) and not (i == n - 1 and trail):
+            return pattern
+    if lead and trail:
+        return pattern
+    if (lead or trail) and any(pattern[i] == "|" and _top_level(pattern, i) for i in positions):
+        return pattern  # ``^a|b``: the anchor belongs to one branch
+    body = pattern[1 if lead else 0 : n - 1 if trail else n]
+    return f"{'' if lead else _ANY_TEXT}(?:{body}){'' if trail else _ANY_TEXT}"
+
+
 def map_patterns(schema: Any, fn: Callable[[str], str], depth: int = 0) -> Any:
     """``fn`` applied to every ``pattern`` and ``patternProperties`` key of ``schema``."""
     if not isinstance(schema, dict) or depth > 128:

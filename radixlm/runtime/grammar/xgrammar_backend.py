@@ -9,6 +9,8 @@ Notes on xgrammar 0.2.8:
 - ``tool_calls`` compiles to a structural tag: each tool is a tag (``call_begin(name)``, the
   arguments' own JSON grammar as EBNF, ``CALL_END``); ``required`` is tags-with-separator (no
   other text), ``auto`` is triggered tags (free text until ``<tool_call>``).
+- It reads a schema ``pattern`` / ``patternProperties`` key as a full match, where JSON Schema
+  searches (its issue #838): each is given as ``patterns.as_full_match`` of it.
 - Its JSON-schema ``pattern`` conversion (not its regex constraints) gets an optional group
   holding ``*`` / ``+`` wrong (``^(?:ab*)?a$`` accepts ``"ba"``); ``{0,1}`` is right, so
   schema patterns are given ``(...){0,1}`` for ``(...)?``.
@@ -41,7 +43,7 @@ from radixlm.runtime.grammar.constraint import (
     parse_choices,
 )
 from radixlm.runtime.grammar.errors import GrammarError
-from radixlm.runtime.grammar.patterns import map_patterns, regex_syntax_positions
+from radixlm.runtime.grammar.patterns import as_full_match, map_patterns, regex_syntax_positions
 from radixlm.runtime.grammar.strict import XGRAMMAR_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
@@ -61,6 +63,12 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")
 def _clean(exc: BaseException) -> str:
     """xgrammar's C++ message without its timestamp / source-location prefix."""
     return _LOG_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
+
+
+def _schema_pattern(pattern: str) -> str:
+    """A schema ``pattern`` / ``patternProperties`` key as xgrammar must get it: searched
+    (``as_full_match``), optional groups bounded."""
+    return optional_groups_bounded(as_full_match(pattern))
 
 
 def optional_groups_bounded(pattern: str) -> str:
@@ -181,7 +189,7 @@ class XGrammarBackend(GrammarBackend):
     def _json_grammar(c: Constraint) -> xgr.Grammar:
         schema = '{"type":"object"}'
         if c.kind == "json_schema":
-            parsed = map_patterns(json.loads(prepared_schema_text(c.spec)), optional_groups_bounded)
+            parsed = map_patterns(json.loads(prepared_schema_text(c.spec)), _schema_pattern)
             schema = json.dumps(parsed, separators=(",", ":"), ensure_ascii=False)
         if c.whitespace == "any":
             return xgr.Grammar.from_json_schema(
