@@ -258,8 +258,11 @@ class GrammarStep:
             return []
         top = torch.topk(row, min(most, allowed)).indices.tolist()
         refused = []
+        quick = matcher.quick_refusals(top)  # inside a checked string: by first character
         for t in top:
-            if t not in passed:
+            if t in quick:
+                refused.append(t)
+            elif t not in passed:
                 if matcher.check_token(t) is None:
                     passed.add(t)
                 else:

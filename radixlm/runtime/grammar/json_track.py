@@ -18,6 +18,7 @@ derives from the parent's (the root's are given).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 Nodes = tuple[Any, ...]
@@ -221,6 +222,40 @@ def open_checked(state: ScanState, hooks: Hooks) -> int | None:
         if sc.prefix_check or hooks.checks_own(sc.nodes):
             return sc.start
     return None
+
+
+def first_char_refuser(state: ScanState, hooks: Hooks) -> Callable[[bytes], str | None] | None:
+    """Inside an open string with a prefix check (no escape in it, no incomplete character):
+    a test of a token's bytes that names the keyword refusing the string's text followed by
+    the token's first character alone, else None (not refused by it: feed the token). A
+    refusal is exact: no continuation of that text can match, so every token starting with that
+    character is refused by ``advance_bytes`` too (its prefix check, or the check of the
+    completed string). One check per distinct first character. None when ``state`` is not
+    there (nothing to test)."""
+    sc = state.scalar
+    if sc is None or sc.kind != "string" or not sc.prefix_check or sc.escape or state.pending:
+        return None
+    raw = state.text[sc.start + 1 :]
+    if "\\" in raw:
+        return None  # the decoded prefix is what the text spells only without escapes
+    check = hooks.key_prefix if sc.key else hooks.string_prefix
+    nodes = sc.nodes
+    verdicts: dict[str, str | None] = {}
+
+    def refuses(data: bytes) -> str | None:
+        lead = data[:1]
+        if not lead or lead in b'"\\':
+            return None
+        size = 1 if lead[0] < 0x80 else 2 if lead[0] < 0xE0 else 3 if lead[0] < 0xF0 else 4
+        try:
+            ch = data[:size].decode("utf-8")
+        except UnicodeDecodeError:
+            return None  # an incomplete (or invalid) first character: feed it
+        if ch not in verdicts:
+            verdicts[ch] = check(nodes, raw + ch)
+        return verdicts[ch]
+
+    return refuses
 
 
 def ended(state: ScanState) -> bool:

@@ -41,7 +41,7 @@ Invariants (beside the ``GrammarMatcher`` ones, which hold for the relaxation):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -55,6 +55,7 @@ from radixlm.runtime.grammar.json_track import (
     decode_partial,
     ended,
     finish,
+    first_char_refuser,
     open_checked,
 )
 from radixlm.runtime.grammar.strict import verifier_schema_text
@@ -82,6 +83,10 @@ class Tracker(Protocol):
         """Characters followed so far; + 0.5 while a character is incomplete (monotone)."""
         ...
 
+    def first_char_refuser(self, state: Any) -> Callable[[bytes], str | None] | None:
+        """``json_track.first_char_refuser`` where ``state`` is inside checked JSON."""
+        ...
+
 
 class JsonTracker:
     """The whole output is one JSON value of ``verifier``'s schema."""
@@ -107,6 +112,9 @@ class JsonTracker:
 
     def position(self, state: ScanState) -> float:
         return len(state.text) + 0.5 * bool(state.pending)
+
+    def first_char_refuser(self, state: ScanState) -> Callable[[bytes], str | None] | None:
+        return first_char_refuser(state, self.verifier)
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,11 @@ class ToolCallsTracker:
 
     def position(self, state: CallsState) -> float:
         return state.chars + 0.5 * bool(state.pending)
+
+    def first_char_refuser(self, state: CallsState) -> Callable[[bytes], str | None] | None:
+        if state.head is None or state.pending:
+            return None
+        return first_char_refuser(state.scan, self.verifiers[state.head])
 
     def end(self, state: CallsState) -> CallsState | str:
         if state.head is None:
@@ -346,6 +359,23 @@ class VerifiedMatcher(GrammarMatcher):
                 raise AssertionError(f"a lazy tracker state refused ({state})")
             states[i] = state
         return state
+
+    def quick_refusals(self, token_ids: Sequence[int]) -> dict[int, str]:
+        """Of ``token_ids`` (not EOS), those that ``check_token`` surely refuses by their first
+        character alone (inside a string with a prefix check: ``first_char_refuser``), with the
+        keyword; the others may pass or not (check them). Cheap: one prefix check per distinct
+        first character, for a scan over many candidates."""
+        refuser = self.tracker.first_char_refuser(self._states[-1])
+        if refuser is None:
+            return {}
+        out = {}
+        token_bytes = self.vocab.token_bytes
+        for t in token_ids:
+            data = token_bytes[t] if t not in self._eos else None
+            keyword = refuser(data) if data else None
+            if keyword is not None:
+                out[t] = keyword
+        return out
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._release()

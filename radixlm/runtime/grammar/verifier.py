@@ -50,7 +50,7 @@ from radixlm.runtime.grammar.schema_keywords import (
 
 _MAX_EXPAND = 64
 _MAX_CACHED_SPAN = 256  # longer value texts are validated every time
-_MAX_CACHED_VALUES = 4096  # the value cache is emptied when it reaches this size
+_MAX_CACHED_VALUES = 4096  # the value / child caches are emptied at this size
 _MAP_KEYS = frozenset({*SCHEMA_MAPS, "dependencies"})
 _SUBSCHEMA_KEYS = frozenset({*SCHEMA_MAPS, *SCHEMA_VALUES, *SCHEMA_LISTS, "items",
                              "dependencies"})  # fmt: skip
@@ -79,6 +79,8 @@ class SchemaVerifier:
         self._values: dict[tuple[tuple[int, ...], str], str | None] = {}
         self._validators: dict[int, Any] = {}
         self._fast: dict[int, Any] = {}  # id(node) -> its jsonschema_rs validator, or None
+        # (ids of a position's schema objects, key or index) -> the child position's
+        self._children: dict[tuple[tuple[int, ...], str | int], Nodes] = {}
         self.root: Nodes = self._expand(schema)
 
     @classmethod
@@ -107,6 +109,15 @@ class SchemaVerifier:
         return tuple(out)
 
     def child(self, nodes: Nodes, step: str | int) -> Nodes:
+        key = (tuple(map(id, nodes)), step)
+        hit = self._children.get(key)
+        if hit is None:
+            if len(self._children) >= _MAX_CACHED_VALUES:
+                self._children.clear()
+            hit = self._children[key] = self._child(nodes, step)
+        return hit
+
+    def _child(self, nodes: Nodes, step: str | int) -> Nodes:
         out: list[Any] = []
         for n in nodes:
             if isinstance(step, int):

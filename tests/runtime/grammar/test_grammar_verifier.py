@@ -21,6 +21,7 @@ from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
 from radixlm.runtime.grammar.verified import _LAZY, ToolCallsTracker, VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
+from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import call_begin
 
 SUITE = Path(__file__).parents[2] / "data" / "json_schema_test_suite" / "draft2020-12"
@@ -556,3 +557,52 @@ def test_tool_call_heads_are_found_however_the_text_is_split() -> None:
             assert fed(text, sizes) == one_by_one, (text, sizes)
     assert fed(bad, [1]) == "uniqueItems" and not isinstance(fed(good, [1]), str)
     assert fed(good, [1]).head is None and fed(good[:-2], [1]).head == call_begin("f")
+
+
+# Single bytes plus tokens of several characters (a quote or a backslash inside or first, a
+# two-byte character, one cut inside it), EOS last.
+_MULTI = ("ab", "abc", "zz", 'a"', 'z",', '"', '":', " a", "te", "test", "Te", "é", "éa", "\\u",
+          "\\n", "xyz", "a1", "09", "a-b")  # fmt: skip
+MULTI_VOCAB = TokenVocab(
+    tuple(bytes([b]) for b in range(256)) + tuple(t.encode() for t in _MULTI) + (b"\xc3",)
+    + (None,), (257 + len(_MULTI),), encode=lambda s: list(s.encode()),
+)  # fmt: skip
+
+
+_TOOL = {"mode": "required", "parallel": False, "tools": [{"name": "f", "parameters": {
+    "type": "object", "properties": {"c": {"type": "string", "pattern": "^(?!x)[a-z]+$"}},
+    "required": ["c"]}}]}  # fmt: skip
+_HEAD = call_begin("f")
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "texts"),
+    [  # (text walked, some token refused by its first character there)
+        ("json_schema", {"type": "string", "pattern": "^(?!test)[a-z]{1,4}$"},
+         [('"', True), ('"tes', True), ('"abcd', True), ("", False)]),
+        ("json_schema", {"type": "string", "pattern": "^(?!test)"},
+         [('"tes', True), ('"a\\n', False), ('"\\ttes', False)]),
+        # the string's text is not its value after an escape: no test there
+        ("json_schema", {"type": "string", "pattern": "^(?!\\\\)"}, [('"\\t', False)]),
+        ("json_schema", {"type": "object", "propertyNames": {"pattern": "^[a-z]{2,3}$"},
+                         "additionalProperties": {"type": "integer"}},
+         [('{"', True), ('{"abc', True), ('{"ab":1,"x', True), ('{"ab":', False)]),
+        ("tool_calls", json.dumps(_TOOL),
+         [(_HEAD + '{"c":"', True), (_HEAD + '{"c":"ab', True), (_HEAD[:-1], False),
+          (_HEAD + "{", False)]),
+    ],
+)  # fmt: skip
+def test_first_character_refusals_are_refusals_of_check_token(kind, spec, texts) -> None:
+    """``quick_refusals`` (a scan's shortcut inside a string with a prefix check) refuses only
+    tokens that ``check_token`` refuses, with the same keyword; some inside checked strings,
+    none outside one (or after an escape), where it has no test."""
+    backend = get_backend("llguidance")(MULTI_VOCAB)  # reads patterns as searches
+    compiled = backend.compile(Constraint.from_params(**{kind: spec}))
+    tokens = list(range(MULTI_VOCAB.vocab_size - 1))  # EOS is never refused by it
+    for text, some in texts:
+        m = compiled.new_matcher()
+        assert m.accept_tokens(list(text.encode())), text
+        quick = m.quick_refusals(tokens)
+        for t, keyword in quick.items():
+            assert m.check_token(t) == keyword, (text, MULTI_VOCAB.token_bytes[t])
+        assert bool(quick) == some, text
