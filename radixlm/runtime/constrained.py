@@ -251,8 +251,10 @@ class GrammarStep:
     ) -> list[int]:
         """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
         verifier refuses (returned); those it admits join ``passed`` (not checked again). Not
-        all of them: inside a string with a prefix check each is a scan. The redraw that
-        follows is still exact: masking refused tokens leaves the others' odds as they were."""
+        all of them: inside a string with a prefix check each is a scan (those whose first
+        character the check refuses are known without one: ``quick_refusals``). The redraw
+        that follows is still exact: masking refused tokens leaves the others' odds as they
+        were."""
         allowed = int(torch.isfinite(row).sum())
         if allowed == 0:
             return []

@@ -246,6 +246,9 @@ class VerifiedMatcher(GrammarMatcher):
         self._held: int | None = None
         self._held_forced = b""
         self._forced_now: bytes | None = None  # forced_bytes() of this state, once known
+        # (open_from's offset, num_settled there): appending tokens leaves it true while the
+        # offset is the same; a rollback forgets it
+        self._settled: tuple[int, int] | None = None
 
     def _next(self, token_id: int) -> Any:
         """The tracker's state after ``token_id`` (EOS: the end), or the refusing keyword."""
@@ -398,6 +401,7 @@ class VerifiedMatcher(GrammarMatcher):
         self._release()
         self.inner.rollback(num_tokens)
         self._forced_now = None
+        self._settled = None
         if num_tokens:
             del self._states[len(self._states) - num_tokens :]
             del self._tokens[len(self._tokens) - num_tokens :]
@@ -418,6 +422,8 @@ class VerifiedMatcher(GrammarMatcher):
         start = self.tracker.open_from(self._states[-1])
         if start is None:
             return len(self._tokens)
+        if self._settled is not None and self._settled[0] == start:
+            return self._settled[1]  # the tokens before ``start`` are as they were
         # The token that produced the first state past ``start`` began that value.
         position = self.tracker.position
         lo, hi = 0, len(self._states) - 1
@@ -427,7 +433,8 @@ class VerifiedMatcher(GrammarMatcher):
                 hi = mid
             else:
                 lo = mid + 1
-        return max(0, lo - 1)
+        self._settled = (start, max(0, lo - 1))
+        return self._settled[1]
 
     def backtrack(self, floor: int, keyword: str, budget: int) -> int:
         """Leave a dead end: roll back the last accepted token and ban it at its position.

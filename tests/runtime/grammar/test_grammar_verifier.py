@@ -606,3 +606,35 @@ def test_first_character_refusals_are_refusals_of_check_token(kind, spec, texts)
         for t, keyword in quick.items():
             assert m.check_token(t) == keyword, (text, MULTI_VOCAB.token_bytes[t])
         assert bool(quick) == some, text
+
+
+def test_settled_counts_kept_across_tokens_match_a_fresh_count() -> None:
+    """``num_settled`` keeps its answer while the open value's start is the same; along walks
+    that take back tokens and spell the text again in other pieces (bytes, or tokens of
+    several), each answer is a fresh matcher's."""
+    import random
+
+    text = '{"n":1,"tags":["ab","abc",'
+    ids = {MULTI_VOCAB.token_bytes[t]: t for t in range(256, 256 + len(_MULTI))}
+    backend = get_backend("llguidance")(MULTI_VOCAB)
+    compiled = backend.compile(Constraint.from_params(json_schema=TAGS))
+    rng = random.Random(0)
+
+    def pieces(data: bytes) -> list[int]:
+        out, i = [], 0
+        while i < len(data):
+            multi = [b for b in ids if data.startswith(b, i)] if rng.random() < 0.7 else []
+            piece = max(multi, key=len) if multi else data[i : i + 1]
+            out.append(ids.get(piece, piece[0]))
+            i += len(piece)
+        return out
+
+    m = compiled.new_matcher()
+    for _ in range(30):
+        done = MULTI_VOCAB.join(m._tokens)
+        for t in pieces(text.encode()[len(done) :]):
+            assert m.accept_token(t)
+            fresh = compiled.new_matcher()
+            assert fresh.accept_tokens(list(m._tokens))
+            assert m.num_settled() == fresh.num_settled()
+        m.rollback(rng.randrange(1, m.num_accepted + 1))
