@@ -77,7 +77,9 @@ KEYWORD_SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["n", "word"], "additionalProperties": False,
     },
     "propertyNames": {
-        "type": "object", "propertyNames": {"pattern": "^[a-z]{2,6}$"},
+        # a lookahead: the grammar takes ^[a-z]{2,6}$ (a map's anchored name pattern is the
+        # grammar's, exactly: ``relax``), the verifier the rest
+        "type": "object", "propertyNames": {"pattern": "^(?!id)[a-z]{2,6}$"},
         "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
         "minProperties": 2, "maxProperties": 4,
     },

@@ -209,19 +209,33 @@ def as_full_match(pattern: str) -> str:
     ``[\\s\\S]*(?:X)``; ``X`` -> both. A pattern with another anchor (inside a group, or beside
     a top-level ``|``) is left as it is: matched in full, stricter than the schema, never
     looser."""
+    anchors = _end_anchors(pattern)
+    if anchors is None or anchors == (True, True):
+        return pattern
+    lead, trail = anchors
+    body = pattern[1 if lead else 0 : len(pattern) - 1 if trail else len(pattern)]
+    return f"{'' if lead else _ANY_TEXT}(?:{body}){'' if trail else _ANY_TEXT}"
+
+
+def plainly_anchored(pattern: str) -> bool:
+    """``pattern`` is ``^X$`` with no other anchor and no top-level ``|``: its searches and
+    its full matches are the same strings (every backend reads it alike)."""
+    return _end_anchors(pattern) == (True, True)
+
+
+def _end_anchors(pattern: str) -> tuple[bool, bool] | None:
+    """Whether ``pattern`` starts with ``^`` / ends with ``$``; None when it has another
+    anchor, or one of those beside a top-level ``|`` (``^a|b``: it belongs to one branch)."""
     positions = list(regex_syntax_positions(pattern))
     n = len(pattern)
     lead = n > 0 and pattern[0] == "^"
     trail = n > 0 and pattern[-1] == "$" and (n - 1) in positions  # ``\\$`` is a literal
     for i in positions:
         if pattern[i] in "^$" and not (i == 0 and lead) and not (i == n - 1 and trail):
-            return pattern
-    if lead and trail:
-        return pattern
+            return None
     if (lead or trail) and any(pattern[i] == "|" and _top_level(pattern, i) for i in positions):
-        return pattern  # ``^a|b``: the anchor belongs to one branch
-    body = pattern[1 if lead else 0 : n - 1 if trail else n]
-    return f"{'' if lead else _ANY_TEXT}(?:{body}){'' if trail else _ANY_TEXT}"
+        return None
+    return lead, trail
 
 
 def map_patterns(schema: Any, fn: Callable[[str], str], depth: int = 0) -> Any:

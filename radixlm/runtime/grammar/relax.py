@@ -3,7 +3,8 @@
 No grammar can say "no two items equal", "not this schema", "exactly one of these" or "this
 lookahead". ``relax_schema`` splits a normalized schema in two:
 
-- ``grammar``: the schema without those keywords (``uniqueItems``, ``not``, ``propertyNames``,
+- ``grammar``: the schema without those keywords (``uniqueItems``, ``not``, ``propertyNames``
+  (but a map's anchored name ``pattern``, which becomes its ``patternProperties``),
   ``if`` / ``then`` / ``else``, ``oneOf`` whose branches are not provably disjoint,
   ``dependentRequired`` / ``dependentSchemas`` that normalization did not split into cases,
   ``patternProperties`` whose patterns may overlap (one pattern, the ``anyOf`` of the schemas;
@@ -18,7 +19,8 @@ lookahead". ``relax_schema`` splits a normalized schema in two:
 
 Invariant: every instance of the exact schema is an instance of ``grammar`` (a relaxation);
 ``verify`` accepts exactly the instances of the normalized schema. ``verify`` is None when
-nothing was relaxed (then ``grammar`` is the input).
+nothing was relaxed (then ``grammar`` is the input, or says the same in other words: a map's
+name pattern as its ``patternProperties``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ from typing import Any
 
 from radixlm.runtime.grammar.disjoint import one_of_disjoint
 from radixlm.runtime.grammar.normalize import normalize_schema
-from radixlm.runtime.grammar.patterns import has_lookaround, without_lookarounds
+from radixlm.runtime.grammar.patterns import (
+    has_lookaround,
+    plainly_anchored,
+    without_lookarounds,
+)
 from radixlm.runtime.grammar.schema_keywords import (
     NON_ASSERTING,
     VALIDATION_KEYWORDS,
@@ -61,16 +67,48 @@ def relax_schema(schema: Any) -> Relaxed:
     relaxer = _Relaxer(schema)
     grammar, verify = relaxer.node(schema, 0)
     if not relaxer.changed:
-        return Relaxed(schema, None)
+        # Nothing relaxed; the grammar may still say something in other words, exactly.
+        return Relaxed(grammar if relaxer.rewritten else schema, None)
     # The cases that replaced if / then / else, and anyOf from oneOf, get their siblings
     # distributed into them like any other anyOf.
     return Relaxed(normalize_schema(grammar), verify)
 
 
+def _names_as_pattern(obj: dict[str, Any], names: Any) -> tuple[dict[str, Any], bool] | None:
+    """A map object's ``propertyNames: {pattern: P}`` as the grammar can say it: every name
+    matches ``P`` and every value is an ``additionalProperties`` value, so the grammar gets
+    ``patternProperties: {P: that}`` and ``additionalProperties: false`` (exact), with ``P``
+    anchored ``^...$`` (xgrammar full-matches ``patternProperties`` keys; llguidance searches:
+    the same language) and without lookarounds where it has them (``without_lookarounds``: then
+    weaker, and verified). Returns ``obj`` rewritten and whether that is exact; None for any
+    other object: one with ``properties``, ``patternProperties`` or an in-place applicator
+    (names they declare would get two schemas), or other ``propertyNames`` keywords."""
+    if not isinstance(names, dict) or not isinstance(names.get("pattern"), str):
+        return None
+    if any(k not in ("pattern", "type") and k not in NON_ASSERTING for k in names):
+        return None
+    if names.get("type", "string") != "string":
+        return None
+    if obj.get("properties") or obj.get("patternProperties") or any(k in obj for k in _IN_PLACE):
+        return None
+    extra = obj.get("additionalProperties", True)
+    if extra is False:
+        return obj, True  # no name at all
+    pattern, exact = names["pattern"], True
+    if has_lookaround(pattern):
+        pattern, exact = without_lookarounds(pattern), False
+    if pattern is None or not plainly_anchored(pattern):
+        return None
+    value = {} if extra is True else extra
+    keyed = {k: v for k, v in obj.items() if k not in ("properties", "patternProperties")}
+    return {**keyed, "patternProperties": {pattern: value}, "additionalProperties": False}, exact
+
+
 class _Relaxer:
     def __init__(self, root: dict[str, Any]) -> None:
         self.root = root
-        self.changed = False
+        self.changed = False  # a keyword was relaxed: the verifier checks it
+        self.rewritten = False  # the grammar says a keyword in other words (exactly)
         # Unknown keys that a local ``$ref`` passes through ("#/ddd/x"): schemas may be kept
         # there, out of ``map_subschemas``' reach; they are relaxed too.
         self.ref_keys = _ref_segments(root) - VALIDATION_KEYWORDS - NON_ASSERTING
@@ -107,10 +145,19 @@ class _Relaxer:
         if out.get("uniqueItems") is True:
             done.append("uniqueItems")
         out.pop("uniqueItems", None)
-        for key in ("not", "propertyNames"):
-            if key in out:
-                del out[key]
-                done.append(key)
+        if "not" in out:
+            del out["not"]
+            done.append("not")
+        if "propertyNames" in out:
+            del out["propertyNames"]  # the exact one decides (the relaxed one lost lookarounds)
+            keyed = _names_as_pattern(out, exact.get("propertyNames"))
+            if keyed is None:
+                done.append("propertyNames")
+            else:
+                out, exact_names = keyed
+                self.rewritten = True
+                if not exact_names:
+                    done.append("propertyNames")
         if any(k in out for k in ("contains", "minContains", "maxContains")):
             for key in ("contains", "minContains", "maxContains"):
                 out.pop(key, None)

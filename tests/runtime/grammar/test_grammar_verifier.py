@@ -43,8 +43,10 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
         [("5", None), ("3", "not"), ("30", None)],
     ),
     (
-        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": {}},
-        [('{"ab":1}', None), ('{"aB":1}', "propertyNames"), ('{"a_', "propertyNames")],
+        {"type": "object", "propertyNames": {"pattern": "^(?!x)[a-z]+$"},
+         "additionalProperties": {}},
+        [('{"ab":1}', None), ('{"aB":1}', "propertyNames"), ('{"a_', "propertyNames"),
+         ('{"xa', "propertyNames")],
     ),
     (
         {"type": "string", "pattern": "^(?!foo)[a-z]+$"},
@@ -175,6 +177,35 @@ def test_relaxation_marks_and_removes_the_keywords() -> None:
     assert relaxed.verify["items"][VERIFY_KEY] == ["not"]
     plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
     assert relax_schema(plain).verify is None and relax_schema(plain).grammar is plain
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_maps_name_pattern_is_the_grammars(backend: str) -> None:
+    """A map's ``propertyNames: {pattern: ^...$}`` becomes its ``patternProperties`` (with
+    ``additionalProperties: false``): the grammar alone is exact, no verifier; the grammar
+    accepts what ``jsonschema`` finds valid. Beside ``properties``, with an unanchored pattern
+    or other name keywords it stays the verifier's; a lookaround leaves the grammar the plain
+    part and the verifier the rest."""
+    schema = {"type": "object", "propertyNames": {"pattern": "^[a-z]{2,3}$"},
+              "additionalProperties": {"type": "integer"}, "maxProperties": 3}  # fmt: skip
+    relaxed = relax_schema(schema)
+    assert relaxed.verify is None or "propertyNames" not in json.dumps(relaxed.verify)
+    assert verifier_schema_text(json.dumps(schema)) is None
+    compiled = get_backend(backend)(BYTE_VOCAB).compile(Constraint.from_params(json_schema=schema))
+    texts = ['{"ab":1}', '{"abc":1,"xy":2}', '{"a":1}', '{"abcd":1}', '{"aB":1}', '{"ab":"x"}',
+             '{"ab":1,"cd":2,"ef":3,"gh":4}', "{}", '{"12":1}']  # fmt: skip
+    for text in texts:
+        valid = jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+        assert grammar_accepts(compiled.new_matcher(), text) == valid, text
+    for other in (
+        {**schema, "properties": {"id": {"type": "integer"}}},
+        {**schema, "propertyNames": {"pattern": "[a-z]"}},
+        {**schema, "propertyNames": {"pattern": "^[a-z]+$", "maxLength": 3}},
+    ):
+        assert "propertyNames" in relax_schema(other).verify[VERIFY_KEY], other
+    looked = relax_schema({**schema, "propertyNames": {"pattern": "^(?!ab)[a-z]{2,3}$"}})
+    assert looked.verify[VERIFY_KEY] == ["propertyNames"]
+    assert "^[a-z]{2,3}$" in json.dumps(looked.grammar)
 
 
 def test_required_names_left_undeclared_are_declared_for_the_grammar() -> None:
@@ -584,7 +615,7 @@ _HEAD = call_begin("f")
          [('"tes', True), ('"a\\n', False), ('"\\ttes', False)]),
         # the string's text is not its value after an escape: no test there
         ("json_schema", {"type": "string", "pattern": "^(?!\\\\)"}, [('"\\t', False)]),
-        ("json_schema", {"type": "object", "propertyNames": {"pattern": "^[a-z]{2,3}$"},
+        ("json_schema", {"type": "object", "propertyNames": {"pattern": "^(?!zz)[a-z]{2,3}$"},
                          "additionalProperties": {"type": "integer"}},
          [('{"', True), ('{"abc', True), ('{"ab":1,"x', True), ('{"ab":', False)]),
         ("tool_calls", json.dumps(_TOOL),
