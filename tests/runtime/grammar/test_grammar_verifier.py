@@ -43,10 +43,17 @@ CASES: list[tuple[dict[str, Any], list[tuple[str, str | None]]]] = [
         [("5", None), ("3", "not"), ("30", None)],
     ),
     (
-        {"type": "object", "propertyNames": {"pattern": "^(?!x)[a-z]+$"},
-         "additionalProperties": {}},
-        [('{"ab":1}', None), ('{"aB":1}', "propertyNames"), ('{"a_', "propertyNames"),
-         ('{"xa', "propertyNames")],
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^(?!x)[a-z]+$"},
+            "additionalProperties": {},
+        },
+        [
+            ('{"ab":1}', None),
+            ('{"aB":1}', "propertyNames"),
+            ('{"a_', "propertyNames"),
+            ('{"xa', "propertyNames"),
+        ],
     ),
     (
         {"type": "string", "pattern": "^(?!foo)[a-z]+$"},
