@@ -13,6 +13,12 @@ Notes on outlines-core 0.2.14:
   cannot change its meaning. An anchored pattern that matches the empty string has no
   "universal start state" there, so a one-byte sentinel goes first, ``\\x01(?:R)$``, and every
   matcher consumes it before anything else (it is never part of the output).
+- It splices a schema ``pattern`` into its string regex, matched in full (``ab`` took only
+  "ab"; ``^a`` did not compile), where JSON Schema searches: each is given as
+  ``patterns.as_full_match`` of it, its wildcard ``UNESCAPED_TEXT`` (the regex reads the
+  escaped text: a wildcard matching a backslash or quote would be unsound; see
+  ``SchemaSupport.pattern_on_escaped_text``), so strings needing an escape are not generated
+  around the match (stricter, never looser).
 - ``Guide.advance(eos)`` raises even in a final state: EOS (any of the EOS ids) is handled here.
 - Copying a ``Guide`` pickles its whole index (0.1 s for big ones): ``fork`` replays the
   accepted tokens on a fresh ``Guide`` instead (cheap: the index is shared).
@@ -20,6 +26,7 @@ Notes on outlines-core 0.2.14:
 
 from __future__ import annotations
 
+import json
 import time
 
 import outlines_core as oc
@@ -39,6 +46,7 @@ from radixlm.runtime.grammar.constraint import (
     parse_choices,
 )
 from radixlm.runtime.grammar.errors import GrammarError
+from radixlm.runtime.grammar.patterns import UNESCAPED_TEXT, as_full_match, map_patterns
 from radixlm.runtime.grammar.strict import OUTLINES_SUPPORT, prepared_schema_text
 from radixlm.runtime.grammar.verified import with_verifier
 from radixlm.runtime.grammar.vocab import TokenVocab
@@ -182,6 +190,11 @@ class OutlinesMatcher(EosMatcher):
         return bytes(out)
 
 
+def _searched(pattern: str) -> str:
+    """A schema pattern as outlines must get it (see the module docstring)."""
+    return as_full_match(pattern, UNESCAPED_TEXT)
+
+
 @register_backend
 class OutlinesBackend(GrammarBackend):
     name = "outlines"
@@ -210,7 +223,10 @@ class OutlinesBackend(GrammarBackend):
             return choices_regex(parse_choices(c.spec))
         if c.kind == "tool_calls":
             return self._tool_calls_regex(c)
-        schema = prepared_schema_text(c.spec) if c.kind == "json_schema" else '{"type":"object"}'
+        schema = '{"type":"object"}'
+        if c.kind == "json_schema":
+            searched = map_patterns(json.loads(prepared_schema_text(c.spec)), _searched)
+            schema = json.dumps(searched, separators=(",", ":"), ensure_ascii=False)
         ws = "" if c.whitespace == "compact" else f"[ \\t\\n\\r]{{0,{MAX_JSON_WHITESPACE}}}"
         try:
             return oc.json_schema.build_regex_from_schema(schema, ws)

@@ -199,22 +199,25 @@ def _positive_class(negated_class: str) -> str | None:
     return "[" + "".join(f"\\u{a:04x}" + (f"-\\u{b:04x}" if b > a else "") for a, b in ranges) + "]"
 
 
-_ANY_TEXT = "[\\s\\S]*"  # any characters, line terminators included (ECMA's ``.`` excludes them)
+ANY_TEXT = "[\\s\\S]*"  # any characters, line terminators included (ECMA's ``.`` excludes them)
+# Any characters a JSON string holds unescaped: for a backend that matches the escaped text.
+UNESCAPED_TEXT = '[^"\\\\\\x00-\\x1f]*'
 
 
-def as_full_match(pattern: str) -> str:
+def as_full_match(pattern: str, any_text: str = ANY_TEXT) -> str:
     """A regex whose full matches are the strings that ``pattern`` (JSON Schema's: a search,
     unanchored) matches somewhere, for a backend that reads schema patterns as full matches
     (xgrammar 0.2.8: its issue #838). ``^X$`` stays; ``^X`` -> ``(?:X)[\\s\\S]*``; ``X$`` ->
-    ``[\\s\\S]*(?:X)``; ``X`` -> both. A pattern with another anchor (inside a group, or beside
-    a top-level ``|``) is left as it is: matched in full, stricter than the schema, never
-    looser."""
+    ``[\\s\\S]*(?:X)``; ``X`` -> both (``any_text`` for ``[\\s\\S]*``: ``UNESCAPED_TEXT`` where
+    the text is matched escaped, stricter). A pattern with another anchor (inside a group, or
+    beside a top-level ``|``) is left as it is: matched in full, stricter than the schema,
+    never looser."""
     anchors = _end_anchors(pattern)
     if anchors is None or anchors == (True, True):
         return pattern
     lead, trail = anchors
     body = pattern[1 if lead else 0 : len(pattern) - 1 if trail else len(pattern)]
-    return f"{'' if lead else _ANY_TEXT}(?:{body}){'' if trail else _ANY_TEXT}"
+    return f"{'' if lead else any_text}(?:{body}){'' if trail else any_text}"
 
 
 def plainly_anchored(pattern: str) -> bool:

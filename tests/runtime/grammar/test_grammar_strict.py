@@ -442,16 +442,19 @@ def test_optional_groups_in_patterns_are_exact(backend: str, pattern: str) -> No
         assert accepted == bool(re.search(pattern, text)), (pattern, text)
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pattern", ["ab", "^ab", "ab$", "^ab$", "^(?:a|b)c", "a|b", "^$", "",
                                      r"\\$", r"^\d+", r"[$^]x"])  # fmt: skip
 def test_schema_patterns_are_searched(backend: str, pattern: str) -> None:
-    """JSON Schema searches a ``pattern`` (unanchored); xgrammar 0.2.8 full-matches it (its
-    issue #838), so its backend gets ``patterns.as_full_match`` of each: the strings accepted
-    are those ``jsonschema`` finds valid."""
+    """JSON Schema searches a ``pattern`` (unanchored); xgrammar 0.2.8 and outlines match it in
+    full (xgrammar's issue #838), so their backends get ``patterns.as_full_match`` of each:
+    the strings accepted are those ``jsonschema`` finds valid (but strings with an escape,
+    which xgrammar never spells under a pattern and outlines' wildcard leaves out)."""
     import jsonschema
     from grammar_helpers import BYTE_VOCAB, grammar_accepts
 
+    if backend == "outlines" and ("|" in pattern or "\\\\" in pattern):
+        pytest.skip("outlines: no top-level alternation, nothing matching a backslash")
     schema = {"type": "string", "pattern": pattern}
     compiled = get_backend(backend)(BYTE_VOCAB).compile(
         Constraint("json_schema", json.dumps(schema))
@@ -459,8 +462,8 @@ def test_schema_patterns_are_searched(backend: str, pattern: str) -> None:
     texts = ["ab", "xab", "abx", "xabx", "a", "b", "c", "ac", "bc", "xbc", "bcx", "", "12", "x1",
              "$", "x$", "$x", "^x", "\\", "a\\$"]  # fmt: skip
     for text in texts:
-        if backend == "xgrammar" and json.dumps(text) != f'"{text}"':
-            continue  # xgrammar spells no escape in a string under a pattern (stricter)
+        if backend != "llguidance" and json.dumps(text) != f'"{text}"':
+            continue  # no escape in a string under a pattern (stricter)
         accepted = grammar_accepts(compiled.new_matcher(), json.dumps(text))
         valid = jsonschema.Draft202012Validator(schema).is_valid(text)
         assert accepted == valid, (pattern, text)
