@@ -19,7 +19,10 @@ bv = load_benchmark("bench_verifier")
 
 @pytest.mark.parametrize("keyword", sorted(bv.KEYWORD_SCHEMAS))
 def test_each_group_needs_the_verifier_for_its_keyword(keyword: str) -> None:
-    assert verified_keywords(json.dumps(bv.KEYWORD_SCHEMAS[keyword])) == [keyword]
+    # propertyNames: its lookahead is a ``pattern`` of the names' schema (the plain part goes
+    # to the grammar; a plain anchored name pattern needs no verifier)
+    extra = ["pattern"] if keyword == "propertyNames" else []
+    assert verified_keywords(json.dumps(bv.KEYWORD_SCHEMAS[keyword])) == sorted([keyword, *extra])
 
 
 @pytest.mark.parametrize("name", sorted(bv.DEAD_END_SCHEMAS))
