@@ -90,7 +90,10 @@ def _value(rng: Rng, depth: int) -> dict[str, Any]:
     if kind == "array":
         return _array(rng)
     if kind == "map":
-        return {"type": "object", "propertyNames": {"pattern": rng.choice(PLAIN_PATTERNS[:2])},
+        # a plain anchored name pattern is the grammar's (``relax``), a lookaround one the
+        # verifier's too
+        names = rng.choice((*PLAIN_PATTERNS[:2], LOOKAROUND_PATTERNS[0]))
+        return {"type": "object", "propertyNames": {"pattern": names},
                 "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
                 "maxProperties": rng.randint(1, 3)}  # fmt: skip
     return _object(rng, depth)
