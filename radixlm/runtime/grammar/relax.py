@@ -60,11 +60,13 @@ class Relaxed:
     verify: Any | None
 
 
-def relax_schema(schema: Any) -> Relaxed:
-    """Split a normalized schema (2020-12 keywords) as the module docstring says."""
+def relax_schema(schema: Any, names_as_patterns: bool = True) -> Relaxed:
+    """Split a normalized schema (2020-12 keywords) as the module docstring says.
+    ``names_as_patterns``: a map's name pattern may become its ``patternProperties`` (False
+    for a backend without them: the verifier then checks the names)."""
     if not isinstance(schema, dict):
         return Relaxed(schema, None)
-    relaxer = _Relaxer(schema)
+    relaxer = _Relaxer(schema, names_as_patterns)
     grammar, verify = relaxer.node(schema, 0)
     if not relaxer.changed:
         # Nothing relaxed; the grammar may still say something in other words, exactly.
@@ -94,9 +96,8 @@ def _names_as_pattern(obj: dict[str, Any], names: Any) -> tuple[dict[str, Any], 
     extra = obj.get("additionalProperties", True)
     if extra is False:
         return obj, True  # no name at all
-    pattern, exact = names["pattern"], True
-    if has_lookaround(pattern):
-        pattern, exact = without_lookarounds(pattern), False
+    # Only a pattern every backend reads as Python does (``without_lookarounds``' conditions).
+    pattern, exact = without_lookarounds(names["pattern"]), not has_lookaround(names["pattern"])
     if pattern is None or not plainly_anchored(pattern):
         return None
     value = {} if extra is True else extra
@@ -105,8 +106,9 @@ def _names_as_pattern(obj: dict[str, Any], names: Any) -> tuple[dict[str, Any], 
 
 
 class _Relaxer:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], names_as_patterns: bool = True) -> None:
         self.root = root
+        self.names_as_patterns = names_as_patterns
         self.changed = False  # a keyword was relaxed: the verifier checks it
         self.rewritten = False  # the grammar says a keyword in other words (exactly)
         # Unknown keys that a local ``$ref`` passes through ("#/ddd/x"): schemas may be kept
@@ -150,7 +152,8 @@ class _Relaxer:
             done.append("not")
         if "propertyNames" in out:
             del out["propertyNames"]  # the exact one decides (the relaxed one lost lookarounds)
-            keyed = _names_as_pattern(out, exact.get("propertyNames"))
+            names = exact.get("propertyNames")
+            keyed = _names_as_pattern(out, names) if self.names_as_patterns else None
             if keyed is None:
                 done.append("propertyNames")
             else:

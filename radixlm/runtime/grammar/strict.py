@@ -114,6 +114,11 @@ class SchemaSupport:
     # Negated classes are exact only for ASCII exclusions (xgrammar; patterns.negation_problems).
     negated_class_ascii_only: bool = False
 
+    @property
+    def names_as_patterns(self) -> bool:
+        """A map's name pattern may reach the backend as ``patternProperties`` (``relax``)."""
+        return "patternProperties" in self.keywords
+
 
 @dataclass(frozen=True)
 class Unsupported:
@@ -311,7 +316,7 @@ def _metaschema_checked(spec: str) -> None:
     check_metaschema(json.loads(spec))
 
 
-def prepared_schema_text(spec: str, lower: bool = True) -> str:
+def prepared_schema_text(spec: str, lower: bool = True, names_as_patterns: bool = True) -> str:
     """What the backends compile for schema text ``spec``: ``normalize.normalize_schema`` (exact
     rewrites), ``relax.relax_schema`` (the keywords the verifier checks, relaxed), then
     (``lower``: for backends that generate declared properties only)
@@ -319,23 +324,24 @@ def prepared_schema_text(spec: str, lower: bool = True) -> str:
     in 2020-12 keywords (``prefixItems``, numeric exclusive bounds, ...) and says so in its
     ``$schema`` (llguidance reads keywords by the declared draft). Remembered per
     ``(spec, lower)``: validation and compilation of one request prepare the same text."""
-    return _prepared_schema_text(spec, lower)  # NOTE: positional, so that both calls share keys
+    # NOTE: positional, so that both calls share keys
+    return _prepared_schema_text(spec, lower, names_as_patterns)
 
 
 @functools.lru_cache(maxsize=512)
-def _relaxed(spec: str) -> Relaxed:
+def _relaxed(spec: str, names_as_patterns: bool = True) -> Relaxed:
     """``normalize.normalize_schema`` of schema text, in 2020-12 keywords, split by
     ``relax.relax_schema`` into the grammar's relaxation and the verifier's exact schema."""
     schema = normalize_schema(json.loads(spec))
     if isinstance(schema, dict) and "$schema" in schema:
         schema = {**schema, "$schema": DRAFT_2020_12}
-    return relax_schema(schema)
+    return relax_schema(schema, names_as_patterns)
 
 
-def verified_keywords(spec: str) -> list[str]:
+def verified_keywords(spec: str, names_as_patterns: bool = True) -> list[str]:
     """The keywords of schema text ``spec`` that the verifier, not the grammar, enforces."""
     found: set[str] = set()
-    stack = [_relaxed(spec).verify]
+    stack = [_relaxed(spec, names_as_patterns).verify]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
@@ -346,16 +352,16 @@ def verified_keywords(spec: str) -> list[str]:
     return sorted(found)
 
 
-def verifier_schema_text(spec: str) -> str | None:
+def verifier_schema_text(spec: str, names_as_patterns: bool = True) -> str | None:
     """The exact, marked schema the verifier checks generated values against (``relax``), or
     None when the grammar alone enforces schema text ``spec``."""
-    verify = _relaxed(spec).verify
+    verify = _relaxed(spec, names_as_patterns).verify
     return None if verify is None else json.dumps(verify, ensure_ascii=False)
 
 
 @functools.lru_cache(maxsize=512)
-def _prepared_schema_text(spec: str, lower: bool) -> str:
-    schema = _relaxed(spec).grammar
+def _prepared_schema_text(spec: str, lower: bool, names_as_patterns: bool) -> str:
+    schema = _relaxed(spec, names_as_patterns).grammar
     if lower:
         schema = lower_for_backends(schema)
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
@@ -373,7 +379,8 @@ def check_schema(spec: str, support: SchemaSupport, backend: str, *, best_effort
     # NOTE: before the metaschema check, which recurses (a deep schema would overflow it).
     check_json_shape(schema, "JSON schema", _MAX_DEPTH, MAX_SCHEMA_NODES)
     _metaschema_checked(spec)
-    schema = json.loads(prepared_schema_text(spec, support.declared_properties_only))
+    names = support.names_as_patterns
+    schema = json.loads(prepared_schema_text(spec, support.declared_properties_only, names))
     if schema is False:
         raise GrammarError("JSON schema matches nothing (after merging its subschemas)")
     if best_effort:

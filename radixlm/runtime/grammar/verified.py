@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from radixlm.runtime.grammar.base import CompiledGrammar, GrammarMatcher
+from radixlm.runtime.grammar.base import CompiledGrammar, GrammarMatcher, get_backend
 from radixlm.runtime.grammar.json_track import (
     ScanState,
     advance_bytes,
@@ -473,16 +473,17 @@ class VerifiedGrammar(CompiledGrammar):
         return VerifiedMatcher(self.inner.new_matcher(), self.tracker)
 
 
-def tracker_for(kind: str, spec: str) -> Tracker | None:
+def tracker_for(kind: str, spec: str, names_as_patterns: bool = True) -> Tracker | None:
     """The tracker a constraint needs (``strict.verifier_schema_text`` of its schema, or of
-    each tool's ``parameters``), or None when the grammar alone enforces it."""
+    each tool's ``parameters``), or None when the grammar alone enforces it.
+    ``names_as_patterns``: the backend took a map's name pattern as ``patternProperties``."""
     if kind == "json_schema":
-        text = verifier_schema_text(spec)
+        text = verifier_schema_text(spec, names_as_patterns)
         return None if text is None else JsonTracker(SchemaVerifier.from_text(text))
     if kind == "tool_calls":
         verifiers = {}
         for tool in ToolCallsSpec.from_json(spec).tools:
-            text = verifier_schema_text(tool.parameters)
+            text = verifier_schema_text(tool.parameters, names_as_patterns)
             if text is not None:
                 verifiers[call_begin(tool.name)] = SchemaVerifier.from_text(text)
         return ToolCallsTracker(verifiers) if verifiers else None
@@ -495,5 +496,8 @@ def with_verifier(compiled: CompiledGrammar) -> CompiledGrammar:
     if isinstance(compiled, VerifiedGrammar):
         return compiled
     c = compiled.constraint
-    tracker = tracker_for(c.kind, c.spec)
+    if c.kind not in ("json_schema", "tool_calls"):
+        return compiled
+    support = getattr(get_backend(compiled.backend), "schema_support", None)
+    tracker = tracker_for(c.kind, c.spec, support is None or support.names_as_patterns)
     return compiled if tracker is None else VerifiedGrammar(compiled, tracker)

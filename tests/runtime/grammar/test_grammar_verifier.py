@@ -213,6 +213,14 @@ def test_a_maps_name_pattern_is_the_grammars(backend: str) -> None:
     looked = relax_schema({**schema, "propertyNames": {"pattern": "^(?!ab)[a-z]{2,3}$"}})
     assert looked.verify[VERIFY_KEY] == ["propertyNames"]
     assert "^[a-z]{2,3}$" in json.dumps(looked.grammar)
+    # outlines has no patternProperties: there the verifier checks the names
+    assert relax_schema(schema, names_as_patterns=False).verify[VERIFY_KEY] == ["propertyNames"]
+    outlines = get_backend("outlines")(BYTE_VOCAB)
+    compiled = outlines.compile(Constraint.from_params(json_schema={
+        k: v for k, v in schema.items() if k != "maxProperties"}))  # fmt: skip
+    assert isinstance(compiled, VerifiedGrammar)
+    assert grammar_accepts(compiled.new_matcher(), '{"ab":1}')
+    assert not grammar_accepts(compiled.new_matcher(), '{"aB":1}')
 
 
 def test_required_names_left_undeclared_are_declared_for_the_grammar() -> None:
