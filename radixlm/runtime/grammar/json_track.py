@@ -136,14 +136,17 @@ def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> S
     return ScanState(out.text, out.stack, out.scalar, out.done, pending)
 
 
+def utf8_size(lead: int) -> int:
+    """The length of the UTF-8 character whose first byte is ``lead``."""
+    return 1 if lead < 0x80 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+
+
 def utf8_completions(pending: bytes, most: int = 64) -> list[str]:
     """Characters that the incomplete UTF-8 sequence ``pending`` can complete to: all of them
     when there are at most ``most`` (one continuation byte missing), else ``most`` spread
     over the range (a refusal is then over-strict for a pattern that admits only characters
     between them; whole-character tokens are still checked exactly)."""
-    lead = pending[0]
-    size = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-    missing = size - len(pending)
+    missing = utf8_size(pending[0]) - len(pending)
     if missing <= 0:
         return []
     total = 64**missing
@@ -246,9 +249,8 @@ def first_char_refuser(state: ScanState, hooks: Hooks) -> Callable[[bytes], str 
         lead = data[:1]
         if not lead or lead in b'"\\':
             return None
-        size = 1 if lead[0] < 0x80 else 2 if lead[0] < 0xE0 else 3 if lead[0] < 0xF0 else 4
         try:
-            ch = data[:size].decode("utf-8")
+            ch = data[: utf8_size(lead[0])].decode("utf-8")
         except UnicodeDecodeError:
             return None  # an incomplete (or invalid) first character: feed it
         if ch not in verdicts:

@@ -225,7 +225,8 @@ class OutlinesBackend(GrammarBackend):
             return self._tool_calls_regex(c)
         schema = '{"type":"object"}'
         if c.kind == "json_schema":
-            prepared = prepared_schema_text(c.spec, True, OUTLINES_SUPPORT.names_as_patterns)
+            names = OUTLINES_SUPPORT.names_as_patterns  # False: the verifier checks names
+            prepared = prepared_schema_text(c.spec, names_as_patterns=names)
             searched = map_patterns(json.loads(prepared), _searched)
             schema = json.dumps(searched, separators=(",", ":"), ensure_ascii=False)
         ws = "" if c.whitespace == "compact" else f"[ \\t\\n\\r]{{0,{MAX_JSON_WHITESPACE}}}"
