@@ -19,7 +19,8 @@ from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
 from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
-from radixlm.runtime.grammar.verified import _LAZY, ToolCallsTracker, VerifiedGrammar
+from radixlm.runtime.grammar.trackers import ToolCallsTracker
+from radixlm.runtime.grammar.verified import _LAZY, VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import call_begin
