@@ -4,7 +4,7 @@ valid, and what does the checker do and cost, per keyword.
     .venv/bin/python benchmarks/bench_verifier.py [--samples 8] [--max-tokens 160]
         [--temperature 0.8] [--keywords uniqueItems,not,...] [--maskbench PATH --real 20]
         [--no-dead-ends] [--random 200] [--batch 8] [--dtype bfloat16] [--threads 2]
-        [--out benchmarks/results/verifier.json] [--smoke]
+        [--backend auto] [--out benchmarks/results/verifier.json] [--smoke]
 
 Groups: one per keyword the grammar cannot express (``KEYWORD_SCHEMAS``: small schemas a
 135M model can fill, each needing the verifier for that keyword), ``tools`` (the same keywords
@@ -18,7 +18,7 @@ verifier (``strict.verified_keywords``), and with ``--random N`` ``random``: the
 ``random_schemas.random_schema`` for seeds 0..N-1 that need the verifier and compile strictly
 (one generation each, even seeds greedy, odd ones sampled; the rest are counted as left out).
 Each group runs ``--samples`` sampled generations per schema (seeds 0..N-1) in batches of
-``--batch`` requests on one engine (default backend, strict mode).
+``--batch`` requests on one engine (``--backend``, ``auto`` by default; strict mode).
 
 Per generation: ``valid`` (finished, parses, validates with ``jsonschema`` and its format
 checker: the reference, never a hand-written check), ``cut`` (``max_tokens`` reached),
@@ -394,6 +394,7 @@ def main() -> None:
     ap.add_argument("--maskbench", type=Path, help="jsonschemabench's maskbench/data/ folder")
     ap.add_argument("--real", type=int, default=20, help="real schemas with --maskbench")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="auto", help="the engine's grammar backend")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8, help="requests per engine.generate call")
     ap.add_argument(
@@ -418,7 +419,7 @@ def main() -> None:
     left_out = 0
     if args.random:
         groups["random"], left_out = random_cases(4 if args.smoke else args.random)
-    engine = Engine(None, dtype=args.dtype, num_threads=args.threads)
+    engine = Engine(None, dtype=args.dtype, num_threads=args.threads, grammar_backend=args.backend)
     meter = StepMeter(engine)
     rows = []
     try:

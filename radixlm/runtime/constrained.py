@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,6 +100,7 @@ class GrammarStep:
         self.device = device
         self._pin = device.type == "cuda"
         self._bitmask = manager.allocate_bitmask(8, pin_memory=self._pin)  # [rows, W] int32
+        self._views: dict[int, torch.Tensor] = {}  # rows -> self._bitmask[:rows]
         # Tokens appended beyond one per sample (a re-tokenized sampled token counts as sampled).
         self.num_jump_forward_tokens = 0
         self.num_jump_forward_rollbacks = 0  # sampled tokens replaced by a re-tokenization
@@ -113,10 +115,16 @@ class GrammarStep:
         self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
 
     def _buffer(self, rows: int) -> torch.Tensor:
-        if self._bitmask.shape[0] < rows:
-            size = max(rows, 2 * self._bitmask.shape[0])
-            self._bitmask = self.manager.allocate_bitmask(size, pin_memory=self._pin)
-        return self._bitmask[:rows]
+        """The bitmask's first ``rows`` rows ``[rows, W]`` (views kept: a fresh slice costs
+        ~30 us on the step thread right after a forward)."""
+        view = self._views.get(rows)
+        if view is None:
+            if self._bitmask.shape[0] < rows:
+                size = max(rows, 2 * self._bitmask.shape[0])
+                self._bitmask = self.manager.allocate_bitmask(size, pin_memory=self._pin)
+                self._views.clear()
+            view = self._views[rows] = self._bitmask[:rows]
+        return view
 
     def prefetch(self, matchers: list[GrammarMatcher | None]) -> None:
         """Start filling the bitmask rows of ``matchers`` (as ``mask`` will be called with
@@ -205,6 +213,7 @@ class GrammarStep:
         self._settle()
         errors: dict[int, SampleError] = {}
         start = time.perf_counter()
+        refuse = _refuser(logits)
         for i, m in enumerate(matchers):
             if not isinstance(m, VerifiedMatcher):
                 continue
@@ -214,11 +223,11 @@ class GrammarStep:
                 stats = self.verifier_stats.setdefault(keyword, KeywordStats())
                 stats.masked += 1
                 removed = [tokens[i]]
-                with torch.inference_mode():  # the runner's logits are inference tensors
-                    logits[i, tokens[i]] = float("-inf")
-                    if redraws >= _MAX_REDRAWS:
+                refuse(i, tokens[i])
+                if redraws >= _MAX_REDRAWS:
+                    with torch.inference_mode():  # the runner's logits are inference tensors
                         removed += self._mask_refused(m, logits[i], scan, passed)
-                        scan *= 2
+                    scan *= 2
                 drawn = redraw(i, removed)
                 if drawn is None:
                     stats.dead_ends += 1
@@ -300,6 +309,25 @@ class GrammarStep:
         self.num_jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
         self.num_jump_forward_rollbacks += jf.num_rollback
         return Advance(tokens, kept, jf.must_stop or matcher.is_terminated())
+
+
+def _refuser(logits: torch.Tensor) -> Callable[[int, int], None]:
+    """A setter of ``logits[i, t] = -inf`` (``[B, V]``): through a NumPy view of CPU float32
+    logits (~0.4 us against ~11 us for a torch item write, more right after a forward)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            view = logits.numpy()  # [B, V], shares the memory
+
+        def refuse(i: int, t: int) -> None:
+            view[i, t] = -math.inf
+
+        return refuse
+
+    def refuse_torch(i: int, t: int) -> None:
+        with torch.inference_mode():
+            logits[i, t] = float("-inf")
+
+    return refuse_torch
 
 
 def _fill_rows(matchers: list[GrammarMatcher | None], bitmask: torch.Tensor) -> float:

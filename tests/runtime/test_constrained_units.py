@@ -178,12 +178,13 @@ def test_sampler_logprobs_come_from_the_raw_logits():
     assert out.top_logprobs[0][0][0] == 3  # the raw distribution's favourite, masked or not
 
 
-def test_verify_scans_the_likeliest_tokens_after_a_few_redraws():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_scans_the_likeliest_tokens_after_a_few_redraws(dtype: torch.dtype):
     """A string that must start with "z" (a lookaround: the verifier's), the model preferring
     19 other letters and then, below "z", 72 more refused characters: ``_MAX_REDRAWS``
     refused redraws, then one scan of the likeliest ``_FIRST_SCAN`` masks the refused among
     them and finds "z", which the next draw takes; the unlikely ones are never checked (still
-    allowed in the row)."""
+    allowed in the row). float32 logits are masked through a NumPy view, others by torch."""
     from radixlm.runtime.constrained import _FIRST_SCAN, _MAX_REDRAWS, GrammarStep
     from radixlm.runtime.grammar.base import get_backend
     from radixlm.runtime.grammar.manager import GrammarManager
@@ -198,7 +199,7 @@ def test_verify_scans_the_likeliest_tokens_after_a_few_redraws():
     m = mgr.submit(Constraint.from_params(json_schema=schema)).result(timeout=30).new_matcher()
     assert m.accept_token(ord('"'))
     step = GrammarStep(mgr, torch.device("cpu"))
-    logits = torch.full((1, 257), float("-inf"))
+    logits = torch.full((1, 257), float("-inf"), dtype=dtype)
     order = b"abcdefghijklmnopqrs" + b"z" + b"tuvwxy0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     order += b"!#$%&'()*+,-./:;<=>?@[]^_{|}~"
     for k, c in enumerate(order):

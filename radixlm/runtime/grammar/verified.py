@@ -89,7 +89,9 @@ class VerifiedMatcher(GrammarMatcher):
             result = self.tracker.end(state)
         else:
             data = self.vocab.token_bytes[token_id]
-            result = self.tracker.feed(state, data) if data else state
+            # jump-forward's one forced token: ``_ahead`` fed its text from this state
+            fed = self._fed_state(state, data) if data else state
+            result = fed if fed is not None else self.tracker.feed(state, data)
         self._tried = (depth, token_id, result)
         return result
 
@@ -129,6 +131,10 @@ class VerifiedMatcher(GrammarMatcher):
                 return end
         return None
 
+    def _fed_state(self, state: Any, data: bytes) -> Any:
+        """The state after ``data`` from ``state`` if ``_ahead`` fed exactly that, else None."""
+        return next((a for s, d, a in self._fed if s is state and d == data), None)
+
     def _release(self) -> None:
         """Roll ``inner`` back to ``_tokens`` if ``_ahead`` left a token accepted."""
         if self._held is not None:
@@ -159,7 +165,7 @@ class VerifiedMatcher(GrammarMatcher):
         if data is None or any(p in self._bans for p in range(n, n + len(token_ids))):
             return super().accept_tokens(token_ids)  # one token, EOS / special, or bans
         state = self._states[-1]
-        after = next((a for s, d, a in self._fed if s is state and d == data), None)
+        after = self._fed_state(state, data)
         if after is None:
             after = self.tracker.feed(state, data)
             if isinstance(after, str):

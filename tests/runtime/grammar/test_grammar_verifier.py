@@ -491,6 +491,14 @@ def test_accepting_the_forced_text_after_a_checked_token_reuses_its_state(monkey
     m.rollback(1)  # jump-forward re-spells the sampled token with the forced text
     assert m.accept_tokens(list(b"]}")) and m.is_completed()
     assert fed == []
+    m.rollback(2)  # or keeps it and appends the forced text as one token of its own
+    assert m.check_token(ord("]")) is None and m.accept_token(ord("]"))
+    assert fed == [b"]", b"}"]  # checked afresh after the rollback
+    fed.clear()
+    assert m.accept_tokens([ord("}")]) and m.is_completed()
+    assert fed == []
+    m.rollback(1)
+    assert m.accept_token(ord("}")) and fed == []  # one token: the same reuse
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
