@@ -71,8 +71,8 @@ class RowDraw:
 
     greedy: bool
     values: Tensor  # [V] float32 (greedy: may alias the caller's logits row)
-    # A sampled row's block sums of ``values`` as the CPU op's last redraw left them (float64
-    # [ceil(V / 256)]): the next redraw given the tokens removed since sums only their blocks.
+    # A sampled row's block sums of ``values`` (float64 [ceil(V / 256)]) as the CPU op's draw or
+    # last redraw left them: the next redraw given the tokens removed since sums only their blocks.
     sums: Tensor | None = None
 
 
@@ -246,15 +246,15 @@ class Sampler:
         if info.need_penalties:
             x = apply_penalties(x, info)
         rows = [i for i, g in enumerate(info.is_greedy) if not g]
-        probs = None
+        probs = sums = None
         if not rows:
             next_ids = argmax_rows(x)  # [B]
         elif len(rows) == info.batch_size:
-            next_ids, probs = self._sample(x, info, rows)
+            next_ids, probs, sums = self._sample(x, info, rows, keep)
         else:
             next_ids = argmax_rows(x)
             idx = torch.tensor(rows, device=x.device)  # [R]
-            next_ids[idx], probs = self._sample(x[idx], info, rows)
+            next_ids[idx], probs, sums = self._sample(x[idx], info, rows, keep)
         out = self.with_logprobs(raw, next_ids, info)
         if keep:
             out.kept = {i: RowDraw(True, x[i]) for i, g in enumerate(info.is_greedy) if g}
@@ -263,7 +263,8 @@ class Sampler:
             for j, i in enumerate(rows):
                 ks, ps, mins = info.top_k_list[i], info.top_p_list[i], info.min_p_list[i]
                 if ks >= vocab and ps >= 1 and mins <= 0:  # no filter on the row
-                    out.kept[i] = RowDraw(False, probs[j])  # type: ignore[index]
+                    row_sums = None if sums is None else sums[j]
+                    out.kept[i] = RowDraw(False, probs[j], row_sums)  # type: ignore[index]
         return out
 
     def redraw(
@@ -324,10 +325,14 @@ class Sampler:
             x = x.index_put((rows, cols), torch.tensor(-torch.inf, dtype=x.dtype, device=x.device))
         return x
 
-    def _sample(self, x: Tensor, info: SamplingBatchInfo, rows: list[int]) -> tuple[Tensor, Tensor]:
+    def _sample(
+        self, x: Tensor, info: SamplingBatchInfo, rows: list[int], keep: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Sample rows ``rows`` of the batch; ``x`` ``[R, V]`` holds exactly those rows.
-        Returns the tokens ``[R]`` and the probabilities they were drawn from ``[R, V]`` (those
-        of a row with a filter unnormalized: only ``keep`` reads them, for unfiltered rows)."""
+        Returns the tokens ``[R]``, the probabilities they were drawn from ``[R, V]`` (those
+        of a row with a filter unnormalized: only ``keep`` reads them, for unfiltered rows) and,
+        with ``keep`` on the compiled op, their block sums ``[R, ceil(V / REDRAW_BLOCK)]``
+        float64 (``RowDraw.sums``: a first redraw then sums only the removed tokens' blocks)."""
         idx = torch.tensor(rows, device=x.device) if len(rows) < info.batch_size else None
 
         def sel(t: Tensor) -> Tensor:
@@ -341,9 +346,13 @@ class Sampler:
             filters = [sel(t).contiguous() for t in (info.top_ks, info.top_ps, info.min_ps)]
             temps = sel(info.temperatures).contiguous()  # [R]
             u = self._uniforms(info, rows, x.device)  # [R]
-            tokens = op.sample_rows(x, temps, *filters, u, probs)  # [R]; -1: no token allowed
+            sums = None
+            if keep:
+                nb = -(-x.shape[-1] // REDRAW_BLOCK)
+                sums = torch.empty(x.shape[0], nb, dtype=torch.float64)  # [R, nb]
+            tokens = op.sample_rows(x, temps, *filters, u, probs, sums)  # [R]; -1: none allowed
             if not bool((tokens < 0).any()):
-                return tokens, probs
+                return tokens, probs, sums
             # A row with nothing allowed (the callers' invariant broken, or NaN logits): the
             # torch ops, as without the compiled op, rather than an error for the whole batch.
         x = x / sel(info.temperatures)[:, None]  # [R, V]
@@ -354,7 +363,7 @@ class Sampler:
             ps = [info.top_p_list[i] for i in rows]
             x = apply_top_k_top_p(x, sel(info.top_ks), sel(info.top_ps), ks, ps)
         probs = x.softmax(dim=-1)  # [R, V]
-        return pick(probs, self._uniforms(info, rows, x.device)), probs
+        return pick(probs, self._uniforms(info, rows, x.device)), probs, None
 
     def probs(self, logits: Tensor, info: SamplingBatchInfo) -> Tensor:
         """The distribution each row's token is drawn from, ``[B, V]`` float32: bias, masks,

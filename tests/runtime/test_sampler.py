@@ -473,6 +473,42 @@ def test_redraw_of_the_removed_tokens_is_the_full_redraw_bit_for_bit(vocab: int)
     assert op.redraw_removed_(values, sums, torch.tensor(rest), 0.5, 1e-4) == -1
 
 
+@pytest.mark.parametrize("vocab", [300, 49152 + 7])
+def test_a_sampled_rows_block_sums_start_its_redraws_bit_for_bit(vocab: int) -> None:
+    """``sample_rows`` hands out each row's block sums (``sums``) with the same tokens and
+    probabilities as without them; a kept row's first redraw from those sums, told only the
+    tokens removed since the draw (``redraw_removed_``), draws the token and leaves the values
+    and sums that ``redraw_row_``'s pass over the masked row gives, bit for bit."""
+    from radixlm.kernels.cpu.build import load_op
+    from radixlm.runtime.sampler import REDRAW_BLOCK
+
+    op = load_op()
+    assert op is not None
+    gen = torch.Generator().manual_seed(vocab)
+    rows, nb = 3, -(-vocab // REDRAW_BLOCK)
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    x[torch.rand(rows, vocab, generator=gen) < 0.4] = float("-inf")  # the grammar's mask
+    temps, u = torch.tensor([0.7, 1.0, 1.3]), torch.rand(rows, generator=gen)
+    off = (torch.full((rows,), vocab), torch.ones(rows), torch.zeros(rows))  # no filters
+    probs, sums = torch.empty(rows, vocab), torch.empty(rows, nb, dtype=torch.float64)
+    tokens = op.sample_rows(x, temps, *off, u, probs, sums)
+    plain = torch.empty(rows, vocab)
+    assert torch.equal(op.sample_rows(x, temps, *off, u, plain), tokens)
+    assert torch.equal(plain, probs)
+    for r in range(rows):
+        allowed = torch.nonzero(torch.isfinite(x[r])).flatten()
+        picks = torch.randint(len(allowed), (3,), generator=gen)
+        removed = [int(tokens[r])] + allowed[picks].tolist()
+        logits = x[r].clone()
+        logits[removed] = float("-inf")
+        values, kept = probs[r].clone(), sums[r].clone()
+        tok = op.redraw_removed_(values, kept, torch.tensor(removed), 0.4, 1e-4)
+        full, full_sums = probs[r].clone(), torch.empty(nb, dtype=torch.float64)
+        assert tok == op.redraw_row_(full, logits, False, 0.4, 1e-4, full_sums)
+        assert torch.equal(values, full) and torch.equal(kept, full_sums)
+        assert tok >= 0 and tok not in removed
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_redraw_is_the_sampler_with_tokens_removed(
     compiled: bool, monkeypatch: pytest.MonkeyPatch
@@ -504,6 +540,7 @@ def test_redraw_is_the_sampler_with_tokens_removed(
     tokens = []
     for _ in range(4000):
         row = sampler(logits, info, keep=True).kept[0]  # type: ignore[index]
+        assert (row.sums is not None) == compiled  # the op's block sums start the redraws
         first = masked[0].clone()
         first[0] = 0.0  # token 3 only, first
         assert sampler.redraw(row, first, None, [3]) != 3

@@ -33,7 +33,9 @@
 // logit is never drawn), min-p, top-k then top-p (`apply_top_k_top_p`'s rule; only the
 // tokens that can be kept are sorted, found by a histogram of the probabilities), unnormalized,
 // and the first token whose running mass exceeds u[r] * total (inverse-CDF in vocabulary order,
-// as `pick`); -1 for a row that allows no token. A row without filters takes three passes (max, exp, the walk) instead of torch's
+// as `pick`); -1 for a row that allows no token. With `sums` ([R, ceil(V / 256)] float64), each
+// row's block sums of probs[r] as its walk used them: a kept row's first redraw then sums only
+// the blocks of the tokens removed since (redraw_removed_), not the whole row again. A row without filters takes three passes (max, exp, the walk) instead of torch's
 // six; one with top-p or top-k a few more instead of torch's top-k candidates or full sort.
 
 #pragma GCC optimize("fp-contract=off")  // vec.h's numerics
@@ -475,7 +477,7 @@ void keep_top_k_top_p(float* p, int64_t V, double total, int64_t k, double top_p
 // One row: p = exp((x - max) / T) (0 under e^-87 of the max: -inf never drawn), min-p, top-k /
 // top-p, then the inverse-CDF walk at u of what is left. -1: nothing allowed.
 int64_t sample_row(const float* x, int64_t V, float temp, int64_t k, float top_p, float min_p,
-                   double u, float* p) {
+                   double u, float* p, double* keep_sums) {
   vf mx = splat(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
   for (; i + W <= V; i += W) {
@@ -502,12 +504,13 @@ int64_t sample_row(const float* x, int64_t V, float temp, int64_t k, float top_p
     keep_top_k_top_p(p, V, total, k, top_p);
     total = block_sums(p, V, sums);
   }
+  if (keep_sums != nullptr) std::copy(sums.begin(), sums.end(), keep_sums);
   return walk(p, V, sums, u * total);
 }
 
 at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::Tensor& top_ks,
                        const at::Tensor& top_ps, const at::Tensor& min_ps, const at::Tensor& u,
-                       const at::Tensor& probs) {
+                       const at::Tensor& probs, const std::optional<at::Tensor>& sums) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "x must be a float32 [R, V] with contiguous rows");
   const int64_t R = x.size(0), V = x.size(1);
@@ -520,6 +523,14 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::T
                   probs.dim() == 2 && probs.size(0) == R && probs.size(1) == V,
               "probs must be a contiguous float32 [R, V]");
   TORCH_CHECK(V > 0, "empty rows");
+  const int64_t nb = (V + kRedrawBlock - 1) / kRedrawBlock;
+  double* sp = nullptr;
+  if (sums.has_value() && sums->defined()) {
+    TORCH_CHECK(sums->scalar_type() == at::kDouble && sums->is_contiguous() && sums->dim() == 2 &&
+                    sums->size(0) == R && sums->size(1) == nb,
+                "sums must be a contiguous float64 [R, ceil(V / 256)]");
+    sp = sums->data_ptr<double>();
+  }
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   const float* xp = x.data_ptr<float>();
@@ -531,7 +542,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temps, const at::T
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       o[r] = sample_row(xp + r * xs, V, tp[r], kp[r] < 1 ? V : std::min(kp[r], V), pp_[r], mp[r],
-                        up[r], pp + r * V);
+                        up[r], pp + r * V, sp == nullptr ? nullptr : sp + r * nb);
   });
   return out;  // -1 where a row allows no token: the caller decides (one row, not the batch)
 }
@@ -549,7 +560,7 @@ TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
       "float min_mass) -> int");
   m.def(
       "sample_rows(Tensor x, Tensor temps, Tensor top_ks, Tensor top_ps, Tensor min_ps, Tensor u, "
-      "Tensor(a!) probs) -> Tensor");
+      "Tensor(a!) probs, Tensor(b!)? sums=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {
