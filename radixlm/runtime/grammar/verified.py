@@ -133,7 +133,10 @@ class VerifiedMatcher(GrammarMatcher):
 
     def _fed_state(self, state: Any, data: bytes) -> Any:
         """The state after ``data`` from ``state`` if ``_ahead`` fed exactly that, else None."""
-        return next((a for s, d, a in self._fed if s is state and d == data), None)
+        for s, d, a in self._fed:  # at most two entries: a loop, not a generator (per token)
+            if s is state and d == data:
+                return a
+        return None
 
     def _release(self) -> None:
         """Roll ``inner`` back to ``_tokens`` if ``_ahead`` left a token accepted."""
