@@ -574,12 +574,14 @@ def test_redraw_under_the_minimum_mass_defers_to_the_sampler() -> None:
     assert sampler.redraw(row, masked, None) is None
 
 
+@pytest.mark.parametrize("masked", ["a third", "most"])
 @pytest.mark.parametrize("vocab", [5, 300, 49152 + 7])
-def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
+def test_sample_rows_op_is_the_torch_sampler(vocab: int, masked: str) -> None:
     """The compiled temperature sampler (``sampling_ops.cpp``): ``probs`` is
     ``softmax(x / T)``, a masked (-inf) token has probability 0 and is never drawn, and the
     token is ``pick``'s on those probabilities for the same uniform (up to rounding where the
-    target sits on a boundary of the cdf)."""
+    target sits on a boundary of the cdf). "most": rows masked as a grammar masks them (~98%,
+    whole vectors of -inf, which the op does not exponentiate)."""
     from radixlm.kernels.cpu.build import load_op
     from radixlm.runtime.sampler import pick
 
@@ -588,7 +590,12 @@ def test_sample_rows_op_is_the_torch_sampler(vocab: int) -> None:
     gen = torch.Generator().manual_seed(vocab)
     rows = 6
     x = torch.randn(rows, vocab + 3, generator=gen)[:, :vocab] * 4  # rows vocab + 3 apart
-    x[:, 1::3] = float("-inf")
+    if masked == "most":
+        keep = torch.rand(rows, vocab, generator=gen) < 0.02
+        keep[:, 0] = True  # a token left in every row
+        x[~keep] = float("-inf")
+    else:
+        x[:, 1::3] = float("-inf")
     temps = torch.tensor([0.3, 0.7, 1.0, 1.5, 2.0, 0.05])
     off = (torch.full((rows,), vocab), torch.ones(rows), torch.zeros(rows))  # no filter
     for _ in range(20):

@@ -35,8 +35,11 @@
 // and the first token whose running mass exceeds u[r] * total (inverse-CDF in vocabulary order,
 // as `pick`); -1 for a row that allows no token. With `sums` ([R, ceil(V / 256)] float64), each
 // row's block sums of probs[r] as its walk used them: a kept row's first redraw then sums only
-// the blocks of the tokens removed since (redraw_removed_), not the whole row again. A row without filters takes three passes (max, exp, the walk) instead of torch's
-// six; one with top-p or top-k a few more instead of torch's top-k candidates or full sort.
+// the blocks of the tokens removed since (redraw_removed_), not the whole row again. A row
+// without filters takes three passes (max, exp, the walk) instead of torch's six; one with
+// top-p or top-k a few more instead of torch's top-k candidates or full sort. A row more than
+// half -inf (a grammar's mask; counted in the max pass) stores 0 for whole -inf vectors
+// without their exp (the same bits; 8 such rows of 49k ~2.3x faster on AVX2).
 
 #pragma GCC optimize("fp-contract=off")  // vec.h's numerics
 
@@ -474,29 +477,67 @@ void keep_top_k_top_p(float* p, int64_t V, double total, int64_t k, double top_p
     if (!keep[t]) p[t] = 0.f;
 }
 
+// exp((v - m) * inv), 0 under e^-87.3 (-inf included: what fp32's exp would flush) and under
+// the min-p floor.
+inline vf exp_masked(vf v, float m, float inv, float floor) {
+  const vf d = (v - m) * inv;
+  vf e = exp_v(d);
+  e = d < -87.33654f ? splat(0.f) : e;
+  return e < floor ? splat(0.f) : e;
+}
+
+// All W lanes of v are -inf.
+inline bool all_ninf(vf v) {
+  const vi eq = (v == splat(-std::numeric_limits<float>::infinity()));
+#if defined(__AVX512F__)
+  return _mm512_movepi32_mask(reinterpret_cast<__m512i>(eq)) == 0xFFFF;
+#elif defined(__AVX2__)
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(eq)) == 0xFF;
+#else
+  for (int j = 0; j < W; ++j)
+    if (!eq[j]) return false;
+  return true;
+#endif
+}
+
 // One row: p = exp((x - max) / T) (0 under e^-87 of the max: -inf never drawn), min-p, top-k /
 // top-p, then the inverse-CDF walk at u of what is left. -1: nothing allowed.
 int64_t sample_row(const float* x, int64_t V, float temp, int64_t k, float top_p, float min_p,
                    double u, float* p, double* keep_sums) {
-  vf mx = splat(-std::numeric_limits<float>::infinity());
+  const vf ninf = splat(-std::numeric_limits<float>::infinity());
+  vf mx = ninf;
+  vi masked{};  // per lane: minus the number of -inf values (a grammar's masked tokens)
   int64_t i = 0;
   for (; i + W <= V; i += W) {
     const vf v = load_v(x + i);
     mx = v > mx ? v : mx;
+    masked += (v == ninf);
   }
   float m = mx[0];
   for (int j = 1; j < W; ++j) m = std::max(m, mx[j]);
   for (; i < V; ++i) m = std::max(m, x[i]);
   if (!(m > -std::numeric_limits<float>::infinity())) return -1;  // nothing allowed (or NaN)
+  int64_t num_masked = 0;
+  for (int j = 0; j < W; ++j) num_masked -= masked[j];
   const float inv = 1.f / temp;
   const float floor = min_p > 0 ? min_p : 0.f;  // min-p: p < min_p * max (the max is e^0 = 1)
-  for (int64_t t = 0; t < V; t += W) {
-    const int64_t n = std::min<int64_t>(W, V - t);
-    const vf d = (load_v(x + t, n) - m) * inv;
-    vf e = exp_v(d);
-    e = d < -87.33654f ? splat(0.f) : e;  // -inf and what fp32's exp would flush
-    e = e < floor ? splat(0.f) : e;
-    store_v(p + t, e, n);
+  // A mostly masked row (a grammar's) skips the exp of whole -inf vectors (their 0 is stored:
+  // the same bits); the test would slow the loop of an unmasked row, which keeps the plain one.
+  if (2 * num_masked > V) {
+    for (int64_t t = 0; t < V; t += W) {
+      const int64_t n = std::min<int64_t>(W, V - t);
+      const vf v = load_v(x + t, n);
+      if (n == W && all_ninf(v)) {
+        store_v(p + t, splat(0.f), n);
+        continue;
+      }
+      store_v(p + t, exp_masked(v, m, inv, floor), n);
+    }
+  } else {
+    for (int64_t t = 0; t < V; t += W) {
+      const int64_t n = std::min<int64_t>(W, V - t);
+      store_v(p + t, exp_masked(load_v(x + t, n), m, inv, floor), n);
+    }
   }
   std::vector<double> sums;
   double total = block_sums(p, V, sums);
