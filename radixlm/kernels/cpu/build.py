@@ -44,7 +44,7 @@ _op: Any = None  # torch.ops.radixlm_cpu once loaded
 _error: str | None = None
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     env = os.environ.get("RADIXLM_CACHE")
     if env:
         return Path(env).expanduser()
@@ -80,7 +80,7 @@ def build_key() -> str:
 
 
 def build_dir() -> Path:
-    return _cache_root() / "cpu_ops" / build_key()
+    return cache_root() / "cpu_ops" / build_key()
 
 
 def _build(verbose: bool = False) -> Any:

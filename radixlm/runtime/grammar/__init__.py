@@ -25,6 +25,12 @@ Use::
     matcher.accept_token(token)                                  # after sampling
     jf = manager.jump_forward(matcher, [token], max_tokens=...)  # forced continuation
 
-This package's ``__init__`` imports nothing, so that the torch-free modules (``constraint``,
-``errors``) stay torch-free: import names from their modules.
+This package's ``__init__`` imports only ``native`` (torch-free, as ``constraint`` and
+``errors`` are): import names from their modules. ``native.install`` puts the mypyc build of
+``json_track`` (the verifier's scanner) first on this package's path when one is built for its
+source (``native.main``, run by ``scripts/setup.sh``).
 """
+
+from radixlm.runtime.grammar import native as _native
+
+_native.install(__path__)

@@ -55,13 +55,13 @@ class Hooks(Protocol):
 
 
 class Frame(NamedTuple):
-    """An open object / array. ``count``: items (members) started; ``items``: completed items,
+    """An open object / array. ``started``: items (members) started; ``items``: completed items,
     kept only where ``hooks.keeps_items``; ``key``: the member whose value comes next."""
 
     array: bool
     start: int
     nodes: Nodes
-    count: int = 0
+    started: int = 0
     items: tuple[Any, ...] = ()
     key: str | None = None
     want_key: bool = True
@@ -342,13 +342,13 @@ class _Scan:
         top = self.stack[-1] if self.stack else None
         if ch == ":" and top is not None:
             self.stack[-1] = Frame(
-                top.array, top.start, top.nodes, top.count, top.items, top.key, False
+                top.array, top.start, top.nodes, top.started, top.items, top.key, False
             )
         elif ch == "," and top is not None:
             if top.array and self.hooks.keeps_items(top.nodes):
                 self._check(self.hooks.more_items(top.nodes, top.items))
             self.stack[-1] = Frame(
-                top.array, top.start, top.nodes, top.count, top.items, None, True
+                top.array, top.start, top.nodes, top.started, top.items, None, True
             )
         elif ch in "}]" and top is not None:
             self.stack.pop()
@@ -380,9 +380,9 @@ class _Scan:
         top = self.stack[-1]
         if top.array:
             self.stack[-1] = Frame(
-                top.array, top.start, top.nodes, top.count + 1, top.items, top.key, top.want_key
+                top.array, top.start, top.nodes, top.started + 1, top.items, top.key, top.want_key
             )
-            return self.hooks.child(top.nodes, top.count)
+            return self.hooks.child(top.nodes, top.started)
         return self.hooks.child(top.nodes, top.key if top.key is not None else "")
 
     def end_string(self, pos: int) -> None:
@@ -395,7 +395,7 @@ class _Scan:
             self._check(self.hooks.key(sc.nodes, key))
             top = self.stack[-1]
             self.stack[-1] = Frame(
-                top.array, top.start, top.nodes, top.count, top.items, key, top.want_key
+                top.array, top.start, top.nodes, top.started, top.items, key, top.want_key
             )
         else:
             self.complete(sc.nodes, span)
@@ -419,7 +419,7 @@ class _Scan:
                 top.array,
                 top.start,
                 top.nodes,
-                top.count,
+                top.started,
                 (*top.items, value),
                 top.key,
                 top.want_key,

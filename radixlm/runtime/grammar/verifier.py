@@ -34,7 +34,7 @@ import regex
 try:
     import jsonschema_rs
 except ImportError:  # pragma: no cover - the grammar extra installs it
-    jsonschema_rs = None
+    jsonschema_rs = None  # type: ignore[assignment]
 
 from radixlm.runtime.grammar.disjoint import json_equal
 from radixlm.runtime.grammar.json_track import Nodes
@@ -154,7 +154,7 @@ class SchemaVerifier:
         if isinstance(node, dict):
             found = VERIFY_KEY in node
             subs: list[Any] = []
-            map_subschemas(node, lambda s: subs.append(s) or s)
+            map_subschemas(node, lambda s: _collect(subs, s))
             target = resolve_pointer(self.schema, node.get("$ref"))
             if target is not None:
                 subs.append(target)
@@ -327,6 +327,12 @@ class SchemaVerifier:
             if "pattern" in n.get(VERIFY_KEY, ()) and _partial(n["pattern"], text) is False:
                 return "pattern"
         return None
+
+
+def _collect(into: list[Any], schema: Any) -> Any:
+    """``into.append(schema)``, returning ``schema`` (a ``map_subschemas`` visitor)."""
+    into.append(schema)
+    return schema
 
 
 @functools.lru_cache(maxsize=1024)
