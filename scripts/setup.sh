@@ -29,6 +29,7 @@ fi
 # Compile the CPU attention op into the user cache (keyed by source, torch and CPU), so the
 # engine's first use loads it in < 1 s. Never fails: without a compiler the torch backend is used.
 .venv/bin/python -m radixlm.kernels.cpu.build
-# Compile the verifier's JSON scanner with mypyc into the same cache (keyed by its source, Python
-# and mypy): loaded in place of the pure Python module. Never fails: without it Python runs.
+# Compile the schema verifier (scanner, trackers, checks, matcher) with mypyc into the same cache
+# (keyed by its sources, Python and mypy): loaded in place of the Python modules. Never fails:
+# without it the same source runs as Python.
 .venv/bin/python -c "from radixlm.runtime.grammar.native import main; main()"

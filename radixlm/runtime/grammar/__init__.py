@@ -27,8 +27,8 @@ Use::
 
 This package's ``__init__`` imports only ``native`` (torch-free, as ``constraint`` and
 ``errors`` are): import names from their modules. ``native.install`` puts the mypyc build of
-``json_track`` (the verifier's scanner) first on this package's path when one is built for its
-source (``native.main``, run by ``scripts/setup.sh``).
+the verifier (``json_track``, ``trackers``, ``verifier``, ``verified``) first on this package's
+path when one is built for these sources (``native.main``, run by ``scripts/setup.sh``).
 """
 
 from radixlm.runtime.grammar import native as _native

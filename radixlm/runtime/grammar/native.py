@@ -1,21 +1,22 @@
-"""The verifier's scanner, trackers and checks compiled to C with mypyc, loaded in place of
-their Python source.
+"""The verifier (its scanner, trackers, checks and matcher) compiled to C with mypyc, loaded
+in place of its Python source.
 
-``json_track``, ``trackers`` and ``verifier`` run for every token a verified request samples
-(and for every candidate a resample checks), on the step thread right after a forward, where
-Python code runs 3-5x slower than in a warm loop (the forward streams the weights through every
-cache level). Compiled, they run from far fewer cache lines. The source stays the one
-implementation: ``build()`` compiles those same files with mypyc into ``<cache>/mypyc/<key>/``
-and ``install()`` (run by this package's ``__init__``) puts that folder first on the package's
-``__path__``, so ``import radixlm.runtime.grammar.json_track`` (and the others) find the
-extensions there. Only modules whose classes derive from no Python class are listed (a mypyc
-class cannot extend one).
+``json_track``, ``trackers``, ``verifier`` and ``verified`` run for every token a verified
+request samples (and for every candidate a resample checks), on the step thread right after a
+forward, where Python code runs 3-5x slower than in a warm loop (the forward streams the weights
+through every cache level). Compiled, they run from far fewer cache lines. The source stays the
+one implementation: ``build()`` compiles those same files with mypyc (mypy reading the types of
+the radixlm modules they import; ``verified``'s classes extend ``base``'s Python classes) into
+``<cache>/mypyc/<key>/`` and ``install()`` (run by this package's ``__init__``) puts that folder
+first on the package's ``__path__``, so ``import radixlm.runtime.grammar.json_track`` (and the
+others) find the extensions there.
 
-Invariants: ``<key>`` hashes the module's source, the Python version and mypy's version, so a
-stale build is never loaded (an edited source is simply not compiled until built again); a
-missing build, a failed build or ``RADIXLM_PURE_PYTHON=1`` leaves the pure Python modules, which
-behave the same (``tests/runtime/grammar/test_native_json_track.py`` compares the scanners;
-compiled code also checks the annotated types at run time, so a wrong annotation fails loudly).
+Invariants: ``<key>`` hashes this package's sources, ``tool_calls.py``, the Python version and
+mypy's version, so a stale build is never loaded (an edited source is simply not compiled until
+built again); a missing build, a failed build or ``RADIXLM_PURE_PYTHON=1`` leaves the pure
+Python modules, which behave the same (``tests/runtime/grammar/test_native_json_track.py``
+compares the scanners; compiled code also checks the annotated types at run time, so a wrong
+annotation fails loudly).
 ``main()`` builds (``scripts/setup.sh`` runs it).
 """
 
@@ -33,7 +34,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 PACKAGE = "radixlm.runtime.grammar"
-MODULES = ("json_track", "trackers", "verifier")  # compiled together, one folder per key
+MODULES = ("json_track", "trackers", "verifier", "verified")  # compiled together
 GROUP = f"{PACKAGE}.verifier_native"  # their shared library: ``verifier_native__mypyc``
 _SOURCE_DIR = Path(__file__).resolve().parent
 PURE_ENV = "RADIXLM_PURE_PYTHON"
@@ -47,12 +48,18 @@ def _mypy_version() -> str | None:
     return __version__
 
 
+def _key_sources() -> list[Path]:
+    """What the build depends on: the grammar package's sources (the compiled modules and
+    those they import, whose types mypy reads) and ``tool_calls.py`` (imported by them)."""
+    return [*sorted(_SOURCE_DIR.glob("*.py")), _SOURCE_DIR.parents[1] / "tool_calls.py"]
+
+
 def build_key(mypy_version: str | None = None) -> str:
-    """Hash of the modules' sources, the Python version and mypy's (the compiler) version."""
+    """Hash of the sources the build depends on, the Python version and mypy's version."""
     h = hashlib.sha256()
-    for name in MODULES:
-        h.update(name.encode())
-        h.update((_SOURCE_DIR / f"{name}.py").read_bytes())
+    for path in _key_sources():
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
     h.update(sys.version.encode())
     h.update((mypy_version or _mypy_version() or "").encode())
     return h.hexdigest()[:16]
@@ -80,21 +87,25 @@ def build(verbose: bool = False) -> Path | None:
     if _built(directory):
         return directory
     with tempfile.TemporaryDirectory(prefix="radixlm-mypyc-") as tmp:
-        # The package's layout (empty __init__ files) names the module as it is imported.
+        # The whole package's sources, so that mypy reads the types the modules import
+        # (``verified``'s classes extend ``base``'s Python classes: mypyc must know them).
+        root = _SOURCE_DIR.parents[2]  # holds radixlm/
+        for src in (root / "radixlm").rglob("*.py"):
+            dest = Path(tmp) / src.relative_to(root)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dest)
         package = Path(tmp).joinpath(*PACKAGE.split("."))
-        package.mkdir(parents=True)
-        for k in range(1, len(PACKAGE.split(".")) + 1):
-            Path(tmp).joinpath(*PACKAGE.split(".")[:k], "__init__.py").touch()
-        paths = []
-        for name in MODULES:
-            shutil.copy(_SOURCE_DIR / f"{name}.py", package / f"{name}.py")
-            paths.append(str(Path(*PACKAGE.split("."), f"{name}.py")))
+        paths = [str(Path(*PACKAGE.split("."), f"{name}.py")) for name in MODULES]
+        # radixlm's modules are read, third-party ones are not (typed Any: plain calls).
+        (Path(tmp) / "mypy.ini").write_text(
+            "[mypy]\nfollow_imports = skip\nignore_missing_imports = True\n"
+            "[mypy-radixlm.*]\nfollow_imports = silent\n"
+        )
         # One group library, named inside the package (a default group's name is top level).
-        # The other radixlm modules they import are not copied: typed Any (plain Python calls).
         setup = (
             "from setuptools import setup\n"
             "from mypyc.build import mypycify\n"
-            f"paths = {paths!r} + ['--follow-imports=skip', '--ignore-missing-imports']\n"
+            f"paths = {paths!r} + ['--config-file=mypy.ini']\n"
             f"setup(name='radixlm-native', ext_modules=mypycify(paths, group_name={GROUP!r}))\n"
         )
         (Path(tmp) / "setup.py").write_text(setup)
@@ -145,6 +156,6 @@ def main() -> None:
     try:
         out = build(verbose="-v" in sys.argv)
     except Exception as exc:  # noqa: BLE001 - setup goes on: the pure Python module works
-        logger.warning("could not build the compiled JSON scanner: %r", exc)
+        logger.warning("could not build the compiled verifier: %r", exc)
         out = None
-    print(f"compiled JSON scanner: {out}" if out else "compiled JSON scanner: not built")
+    print(f"compiled verifier: {out}" if out else "compiled verifier: not built")

@@ -89,9 +89,12 @@ class VerifiedMatcher(GrammarMatcher):
             result = self.tracker.end(state)
         else:
             data = self.vocab.token_bytes[token_id]
-            # jump-forward's one forced token: ``_ahead`` fed its text from this state
-            fed = self._fed_state(state, data) if data else state
-            result = fed if fed is not None else self.tracker.feed(state, data)
+            if not data:
+                result = state
+            else:
+                # jump-forward's one forced token: ``_ahead`` fed its text from this state
+                fed = self._fed_state(state, data)
+                result = fed if fed is not None else self.tracker.feed(state, data)
         self._tried = (depth, token_id, result)
         return result
 

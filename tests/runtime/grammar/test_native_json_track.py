@@ -1,11 +1,15 @@
-"""The mypyc build of ``json_track`` (``native``) against its own Python source: the same states
-and refusals for random JSON fed in random byte pieces, under schemas whose checks refuse."""
+"""The mypyc build of the verifier (``native``): the compiled scanner against its own Python
+source (the same states and refusals for random JSON fed in random byte pieces, under schemas
+whose checks refuse); a build is installed only for the sources it was built from, and a new
+process imports every compiled module."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -156,3 +160,17 @@ def test_install_puts_a_fresh_build_first_and_never_a_stale_one(
     monkeypatch.setattr(native, "build_key", lambda *a: "0" * 16)  # an edited source's key
     path = ["src"]
     assert not native.install(path) and path == ["src"]
+
+
+def test_a_fresh_process_imports_every_compiled_module(compiled: ModuleType) -> None:
+    """Built (the fixture builds if needed), a new process's imports are the extensions."""
+    code = (
+        "import importlib\n"
+        f"print(*(importlib.import_module('{native.PACKAGE}.' + m).__file__ "
+        f"for m in {native.MODULES!r}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
+    assert len(out) == len(native.MODULES) and all(f.endswith(".so") for f in out), out
