@@ -109,7 +109,11 @@ class GrammarStep:
         self.seconds = 0.0
         self.overlapped_seconds = 0.0  # mask fills run on the worker while the model ran
         self._worker: ThreadPoolExecutor | None = None
-        self._prefetched: tuple[list[GrammarMatcher | None], Future[float]] | None = None
+        self._prefetched: (
+            tuple[list[GrammarMatcher | None], Future[tuple[float, list[bool]]]] | None
+        ) = None
+        # Rows of the last ``mask`` filled loose (a superset: ``verify`` checks their samples).
+        self._loose: list[bool] = []
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
         self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
@@ -136,21 +140,31 @@ class GrammarStep:
         bitmask = self._buffer(len(matchers))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixlm-grammar-mask")
-        future = self._worker.submit(_fill_rows, list(matchers), bitmask)
+        future = self._worker.submit(self._fill_overlapped, list(matchers), bitmask)
         self._prefetched = (list(matchers), future)
 
-    def _settle(self) -> bool:
-        """Wait for an in-flight prefetch (its fill time counts as overlapped); True when it
-        filled without error."""
+    @staticmethod
+    def _fill_overlapped(
+        matchers: list[GrammarMatcher | None], bitmask: torch.Tensor
+    ) -> tuple[float, list[bool]]:
+        """``_fill_rows`` (loose) on the worker: its seconds and loose rows."""
+        start = time.perf_counter()
+        loose = _fill_rows(matchers, bitmask, loose=True)
+        return time.perf_counter() - start, loose
+
+    def _settle(self) -> list[bool] | None:
+        """Wait for an in-flight prefetch (its fill time counts as overlapped); its rows' loose
+        flags when it filled without error, else None."""
         if self._prefetched is None:
-            return False
+            return None
         _, future = self._prefetched
         self._prefetched = None
         try:
-            self.overlapped_seconds += future.result()
+            seconds, loose = future.result()
         except Exception:  # noqa: BLE001 - ``mask`` fills again on the step thread
-            return False
-        return True
+            return None
+        self.overlapped_seconds += seconds
+        return loose
 
     def close(self) -> None:
         """Stop the worker thread (after any in-flight prefetch)."""
@@ -164,22 +178,28 @@ class GrammarStep:
         matchers: list[GrammarMatcher | None],
         logits: torch.Tensor,
         suppress: list[list[int]],
+        loose: bool = False,
     ) -> list[list[int]]:
         """In place: ``logits[i, t] = -inf`` for every token ``t`` that ``matchers[i]`` forbids
         (constrained rows only; ``logits`` is ``[len(matchers), V]``; a row's matcher is its
         request's, or a fork advanced through a speculative draft's prefix).
         ``suppress[i]`` (min_new_tokens) of constrained rows go into the mask; returns the
-        suppress lists left for the sampler (empty for those rows)."""
+        suppress lists left for the sampler (empty for those rows). ``loose``: a row may get a
+        superset (``GrammarMatcher.fill_bitmask_loose``) when its samples then go through
+        ``verify``."""
+        self._loose = []
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return suppress
         start = time.perf_counter()
         same = self._prefetched is not None and len(self._prefetched[0]) == len(matchers)
         same = same and all(a is b for a, b in zip(self._prefetched[0], matchers))  # type: ignore[index]
-        filled = self._settle() and same
+        prefetched = self._settle()
         bitmask = self._buffer(len(matchers))
-        if not filled:
-            _fill_rows(matchers, bitmask)
+        if prefetched is not None and same and (loose or not any(prefetched)):
+            self._loose = prefetched
+        else:
+            self._loose = _fill_rows(matchers, bitmask, loose=loose)
         out = list(suppress)
         for i in rows:
             if out[i]:
@@ -190,10 +210,10 @@ class GrammarStep:
         self.seconds += time.perf_counter() - start
         return out
 
-    @staticmethod
-    def verifies(matchers: list[GrammarMatcher | None]) -> bool:
-        """Some row of ``matchers`` has a verifier (``verify`` may resample it)."""
-        return any(isinstance(m, VerifiedMatcher) for m in matchers)
+    def verifies(self, matchers: list[GrammarMatcher | None]) -> bool:
+        """Some row of ``matchers`` has a verifier, or a loose mask from the last ``mask``
+        (``verify`` may resample it)."""
+        return any(self._loose) or any(isinstance(m, VerifiedMatcher) for m in matchers)
 
     def verify(
         self,
@@ -214,8 +234,9 @@ class GrammarStep:
         errors: dict[int, SampleError] = {}
         start = time.perf_counter()
         refuse = _refuser(logits)
+        loose = self._loose if len(self._loose) == len(matchers) else []
         for i, m in enumerate(matchers):
-            if not isinstance(m, VerifiedMatcher):
+            if m is None or not (isinstance(m, VerifiedMatcher) or (loose and loose[i])):
                 continue
             redraws, scan = 0, _FIRST_SCAN
             passed: set[int] = set()  # tokens a scan found the verifier admits
@@ -256,7 +277,7 @@ class GrammarStep:
 
     @staticmethod
     def _mask_refused(
-        matcher: VerifiedMatcher, row: torch.Tensor, most: int, passed: set[int]
+        matcher: GrammarMatcher, row: torch.Tensor, most: int, passed: set[int]
     ) -> list[int]:
         """``row[t] = -inf`` for each of the ``most`` likeliest still-allowed tokens that the
         verifier refuses (returned); those it admits join ``passed`` (not checked again). Not
@@ -333,10 +354,17 @@ def _refuser(logits: torch.Tensor) -> Callable[[int, int], None]:
     return refuse_torch
 
 
-def _fill_rows(matchers: list[GrammarMatcher | None], bitmask: torch.Tensor) -> float:
-    """Row i of ``bitmask`` from ``matchers[i]`` (constrained rows); returns the seconds."""
-    start = time.perf_counter()
+def _fill_rows(
+    matchers: list[GrammarMatcher | None], bitmask: torch.Tensor, loose: bool = False
+) -> list[bool]:
+    """Row i of ``bitmask`` from ``matchers[i]`` (constrained rows), with ``loose`` where the
+    matcher gives one (``fill_bitmask_loose``); which rows are loose."""
+    out = [False] * len(matchers)
     for i, m in enumerate(matchers):
-        if m is not None:
+        if m is None:
+            continue
+        if loose:
+            out[i] = m.fill_bitmask_loose(bitmask, i)
+        else:
             m.fill_bitmask(bitmask, i)
-    return time.perf_counter() - start
+    return out

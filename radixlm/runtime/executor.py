@@ -155,11 +155,13 @@ def masked_rows(
     prefixes: Sequence[list[int]],
     eos_token_ids: Sequence[int],
     grammar: GrammarStep | None,
+    loose: bool = False,
 ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None, list[Any] | None]:
     """The rows' logits `[B, V]` with grammar masks applied (a private copy when gathered;
     see the note), the min_tokens suppressions left for the sampler, an unmasked copy for
     logprobs when a constrained row asks (else None), the rows' matchers (None when no row is
-    constrained). Row i follows the draft tokens `prefixes[i]`."""
+    constrained). Row i follows the draft tokens `prefixes[i]`. `loose`: the caller passes
+    its samples through `GrammarStep.verify` (`GrammarStep.mask`)."""
     if rows != list(range(logits.shape[0])):
         logits = logits[torch.tensor(rows, device=logits.device)]  # [B, V]
     suppress = [
@@ -173,7 +175,7 @@ def masked_rows(
             raw = logits.clone()  # [B, V] logprobs are the unmasked model's
         # NOTE: masks `logits` in place: it is this step's private tensor (the runner's output
         # or the row gather above), read by nothing else.
-        suppress = grammar.mask(matchers, logits, suppress)
+        suppress = grammar.mask(matchers, logits, suppress, loose=loose)
     return logits, suppress, raw, matchers
 
 
@@ -457,7 +459,7 @@ class Executor:
         the raw (unmasked) model distribution; the requests that must fail."""
         if not reqs:
             return [], [], {}
-        logits, suppress, raw, matchers = self._prepare(reqs, logits, rows, prefixes)
+        logits, suppress, raw, matchers = self._prepare(reqs, logits, rows, prefixes, loose=True)
         verified = (
             matchers is not None and self.grammar is not None and self.grammar.verifies(matchers)
         )
@@ -491,8 +493,11 @@ class Executor:
         logits: torch.Tensor,
         rows: list[int],
         prefixes: list[list[int]],
+        loose: bool = False,
     ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None, list[Any] | None]:
-        return masked_rows(reqs, logits, rows, prefixes, self.eos_token_ids, self.grammar)
+        return masked_rows(
+            reqs, logits, rows, prefixes, self.eos_token_ids, self.grammar, loose=loose
+        )
 
     def _info(
         self,

@@ -301,6 +301,29 @@ def test_jump_forward_saves_forwards_and_keeps_outputs(
     assert len(differ) < len(supported(engine)) // 2
 
 
+def test_loose_masks_change_no_greedy_token(default_model_dir: Any, monkeypatch) -> None:
+    """Short string bounds fill masks from a twin grammar without them (``LooseMasks``) and
+    check each sampled token on the exact grammar: greedy outputs are those of exact masks,
+    token for token, over every schema (most bound a string to 16 characters or fewer)."""
+    from radixlm.runtime.grammar.llguidance_backend import LLGuidanceBackend
+
+    loose_engine = _engine(default_model_dir, "llguidance", grammar_backend="llguidance")
+    loose = run_schemas(loose_engine, "llguidance")
+    person = Constraint.from_params(json_schema=SCHEMAS["person"][1])
+    assert loose_engine.grammar_manager.compile_sync(person).new_matcher().loose_masks
+    monkeypatch.setattr(LLGuidanceBackend, "_loose_twin", lambda self, c: None)
+    exact_engine = _engine(default_model_dir, "llguidance-exact", grammar_backend="llguidance")
+    exact = run_schemas(exact_engine, "llguidance-exact")
+    bounded = 0
+    for name in supported(exact_engine):
+        assert_valid(name, exact["results"][name])
+        assert loose["results"][name].output_token_ids == exact["results"][name].output_token_ids
+        bounded += '"maxLength"' in json.dumps(SCHEMAS[name][1])
+    assert bounded >= 5
+    events = exact_engine.stats().verifier_events
+    assert "maxLength" not in events  # exact masks: nothing to check
+
+
 # ---- n > 1, limits, retraction -------------------------------------------------------------------
 
 

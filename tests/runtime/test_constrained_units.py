@@ -82,6 +82,10 @@ class _OnlyTokens:
 
         fill_bitmask_tokens(bitmask, row, self.allowed)
 
+    def fill_bitmask_loose(self, bitmask: torch.Tensor, row: int) -> bool:
+        self.fill_bitmask(bitmask, row)
+        return False
+
 
 def test_mask_folds_suppression_but_never_empties_a_row():
     from radixlm.runtime.constrained import GrammarStep

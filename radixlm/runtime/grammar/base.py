@@ -54,6 +54,28 @@ class GrammarMatcher(abc.ABC):
         """Write the allowed next tokens into ``bitmask[row]`` (CPU int32 ``[B, ceil(V/32)]``,
         bit ``t % 32`` of word ``t // 32``; 1 = allowed). Does not change the state."""
 
+    def fill_bitmask_loose(self, bitmask: torch.Tensor, row: int) -> bool:
+        """``fill_bitmask``, or where that is much cheaper a superset of it (True): each token
+        sampled from such a row must then pass ``check_token`` (``GrammarStep.verify``). Does
+        not change the state."""
+        self.fill_bitmask(bitmask, row)
+        return False
+
+    @property
+    def loose_masks(self) -> bool:
+        """``fill_bitmask_loose`` may give a superset."""
+        return False
+
+    def check_token(self, token_id: int) -> str | None:
+        """The keyword refusing ``token_id`` (allowed by a loose mask, or by the relaxation a
+        verifier checks: ``VerifiedMatcher``), else None. Does not change the state."""
+        return None
+
+    def quick_refusals(self, token_ids: Sequence[int]) -> dict[int, str]:
+        """Of ``token_ids``, some that ``check_token`` surely refuses, found cheaply (with the
+        keyword); the others may pass or not."""
+        return {}
+
     @abc.abstractmethod
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) when the grammar forbids it."""

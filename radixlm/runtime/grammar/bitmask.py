@@ -33,6 +33,23 @@ def allocate_bitmask(batch_size: int, vocab_size: int, *, pin_memory: bool = Fal
     )
 
 
+def row_pointer(bitmask: torch.Tensor, row: int) -> tuple[int, int]:
+    """The address and byte size of row ``row`` of a CPU int32 ``[B, W]`` bitmask with
+    contiguous rows, for native fills that write through a pointer (checked: a wrong address
+    would write outside the tensor). No row view is made (~5 us of Python each)."""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2:
+        raise ValueError(
+            f"bitmask must be a 2-D CPU int32 tensor, got {bitmask.dtype} "
+            f"{tuple(bitmask.shape)} on {bitmask.device}"
+        )
+    rows, width = bitmask.shape
+    if not 0 <= row < rows:
+        raise IndexError(f"bitmask row {row} out of range for {rows} rows")
+    if bitmask.stride(1) != 1:
+        raise ValueError("bitmask rows must be contiguous")
+    return bitmask.data_ptr() + 4 * row * bitmask.stride(0), 4 * width
+
+
 def reset_bitmask(bitmask: torch.Tensor) -> None:
     """Allow every token in every row."""
     bitmask.fill_(_ALL_ALLOWED)

@@ -99,6 +99,11 @@ class VerifiedMatcher(GrammarMatcher):
         return result
 
     def check_token(self, token_id: int) -> str | None:
+        if self.inner.loose_masks:  # the row's mask may hold tokens the grammar refuses
+            self._release()
+            keyword = self.inner.check_token(token_id)
+            if keyword is not None:
+                return keyword
         result = self._next(token_id)
         if isinstance(result, str):
             return result
@@ -221,6 +226,14 @@ class VerifiedMatcher(GrammarMatcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._release()
         self.inner.fill_bitmask(bitmask, row)
+
+    def fill_bitmask_loose(self, bitmask: torch.Tensor, row: int) -> bool:
+        self._release()
+        return self.inner.fill_bitmask_loose(bitmask, row)
+
+    @property
+    def loose_masks(self) -> bool:
+        return self.inner.loose_masks
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()  # a held token is never EOS: no release needed
