@@ -1,4 +1,4 @@
-"""Loose masks for short string bounds (``llguidance_backend.LooseMasks``): the mask of a twin
+"""Loose masks for short string bounds (``loose_masks.LooseMasks``): the mask of a twin
 grammar without them, narrowed by the fit table, is a superset of the exact mask, and
 ``check_token`` refuses exactly what it adds; so sampling with it and checking decides as the
 exact grammar does."""
@@ -16,10 +16,7 @@ from grammar_helpers import BYTE_VOCAB
 from radixlm.runtime.grammar.base import get_backend
 from radixlm.runtime.grammar.bitmask import allocate_bitmask, is_token_allowed
 from radixlm.runtime.grammar.constraint import Constraint
-from radixlm.runtime.grammar.llguidance_backend import (
-    LooseMasks,
-    without_short_max_lengths,
-)
+from radixlm.runtime.grammar.loose_masks import LooseMasks, without_short_max_lengths
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.grammar.vocab import TokenVocab
 from radixlm.tool_calls import format_tool_call
