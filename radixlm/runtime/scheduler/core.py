@@ -116,6 +116,7 @@ class Scheduler:
         self._failed: list[Request] = []  # finished with an error during this `schedule()`
         self._scheduling_error: str | None = None  # set by `_unschedulable` within a schedule
         self._long_deferred = False  # a running prompt got no tokens in the last step
+        self._step_started: float | None = None  # `clock()` when this step's `schedule()` began
 
     @property
     def num_retractions(self) -> int:
@@ -162,6 +163,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Plan one step (see the module docstring); never emits."""
+        self._step_started = self.clock()
         cfg = self.config
         items: list[ScheduledItem] = []
         used = 0  # tokens scheduled so far
@@ -504,7 +506,14 @@ class Scheduler:
         num_tokens = batch.num_tokens
         self.total_forward_tokens += num_tokens
         if self.drafter is not None:
-            self.drafter.cost.record(num_tokens, out.forward_seconds + out.sample_seconds)
+            # The whole step on this thread, not only its forward and sampling: what a draft
+            # costs besides its rows (proposals, walking drafts through grammars, accepting,
+            # rolling back) is host work, which on a GPU is a large share of a ~3 ms step.
+            started = self._step_started
+            seconds = self.clock() - started if started is not None else 0.0
+            self.drafter.cost.record(
+                num_tokens, max(seconds, out.forward_seconds + out.sample_seconds)
+            )
         n_prefill = sum(i.num_tokens for i in batch.items if i.num_tokens > 1)
         self.last_step = StepStats(
             num_tokens=num_tokens,

@@ -70,11 +70,12 @@ class Calibration:
 
 
 class StepCost:
-    """Measured seconds of a step (forward + sampling) by its row count, the input of
-    `plan_draft_lengths`. Each row count (rounded up to a multiple of `coarse` past `exact`
-    rows) keeps a moving average of its steps' seconds (each clipped to twice the average: a
-    step the OS descheduled moves it a little, not 10x), forgotten after `max_age` steps
-    without a new measurement.
+    """Measured seconds of a step by its row count, the input of `plan_draft_lengths`: the
+    scheduler records the whole step on the engine thread (planning, forward, sampling,
+    accepting), so that a draft's host work counts beside its rows. Each row count (rounded up
+    to a multiple of `coarse` past `exact` rows) keeps a moving average of its steps' seconds
+    (each clipped to twice the average: a step the OS descheduled moves it a little, not 10x),
+    forgotten after `max_age` steps without a new measurement.
     `cost(rows)` interpolates linearly between the measured counts after an isotonic fit (more
     rows never cost less: adjacent averages that fall are pooled, weighted by their number of
     measurements, so one slow step raises its neighbours a little rather than every larger
@@ -161,12 +162,12 @@ def expected_accepted(alpha: float, k: int) -> float:
 
 
 # A step drafts only when its expected tokens per second beat the step without drafts by this
-# share: a draft also costs host work the measured step cost leaves out (the proposals, the
-# per-row sampling and checks of the verification, ~3-5% of a batch-8 CPU step), and the
-# measured costs and learned acceptance are noisy, so a draft that "pays" by less is a loss as
-# often as a gain. NOTE: it does not settle `free` at batch 8 (2 threads, AVX512_BF16 EPYC):
-# 0.89-0.95x without it, 0.89-1.06x with it: the per-request acceptance estimates run above
-# what stands there (drafts planned at alpha 0.8-0.99, 0.57-0.64 accepted).
+# share: the measured costs and learned acceptance are noisy, so a draft that "pays" by less is
+# a loss as often as a gain. (The cost is the whole step's, host work included: the proposals,
+# the verification's per-row sampling and checks, ~3-5% of a batch-8 CPU step, ~20% of a
+# batch-8 step on an H200.) NOTE: it does not settle `free` at batch 8 (2 threads,
+# AVX512_BF16 EPYC): 0.89-0.95x without it, 0.89-1.06x with it: the per-request acceptance
+# estimates run above what stands there (drafts planned at alpha 0.8-0.99, 0.57-0.64 accepted).
 DRAFT_MARGIN = 0.10
 
 

@@ -317,6 +317,36 @@ def test_drafts_are_sized_by_the_step_cost(periodic):
         assert r.output_token_ids == reference_continuation(r.prompt_token_ids, 24)
 
 
+def test_the_step_cost_counts_the_whole_step(periodic):
+    """The drafter's step cost is the whole step on the engine thread, host work included:
+    a verification whose bookkeeping takes 0.5 s (on the scheduler's clock) records at least
+    that; a step that verified nothing records only its own time."""
+    now = [0.0]
+    s = make(True)
+    s.clock = lambda: now[0]
+    recorded: list[tuple[int, float]] = []
+
+    class Recording(StepCost):
+        def record(self, rows: int, seconds: float) -> None:
+            recorded.append((rows, seconds))
+
+    s.drafter.cost = Recording()  # nothing measured: every proposal is verified whole
+    record = s.drafter.record
+
+    def slow_record(req, drafted, accepted):
+        now[0] += 0.5
+        record(req, drafted, accepted)
+
+    s.drafter.record = slow_record
+    reqs = requests(1, n=1)
+    run(s, reqs)
+    assert s.num_draft_tokens > 0
+    slow = [sec for _, sec in recorded if sec >= 0.5]
+    assert len(slow) == s.num_drafts and all(sec < 1.0 for sec in slow)
+    assert len(recorded) > len(slow)  # the prefill and the steps without a draft
+    assert reqs[0].output_token_ids == reference_continuation(reqs[0].prompt_token_ids, 24)
+
+
 def test_an_ngram_that_went_on_differently_is_its_own_source():
     """'k :' went on with 5, then with 6: a match of ':' drafts the latest (6 ...) but as the
     ambiguous 1-gram source, whose acceptance is learned apart from the unambiguous one."""
