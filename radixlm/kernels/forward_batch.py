@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixlm.kernels.host_memory import zeros_huge
@@ -229,41 +230,43 @@ class ForwardBatch:
         input_ids: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
-        page_table: torch.Tensor,
+        page_table: torch.Tensor | np.ndarray,
         logits_rows: list[int],
         page_size: int,
         device: torch.device | str,
     ) -> ForwardBatch:
         """`input_ids` are the `T` new tokens of `B` requests back to back (request i: the next
         `extend_lens[i]`, at positions `prefix_lens[i]...`); `page_table` `[B, >= max pages]`
-        int32 on the host; `logits_rows` index `input_ids`. Positions and slots are computed
-        with tensor ops: no per-token Python."""
+        int32 on the host (a tensor or an array); `logits_rows` index `input_ids`. Positions and slots are computed
+        with NumPy array ops: no per-token Python, and ~10x fewer microseconds than the same
+        dozen small torch ops (each an eager dispatch; ~0.1-0.3 ms a step on a CPU)."""
         seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
         num_tokens = len(input_ids)
         max_pages = max(-(-s // page_size) for s in seq) if seq else 1
-        table = page_table[:, : max(1, max_pages)]  # [B, P] int32
-        ext_t = torch.tensor(extend_lens, dtype=torch.int64)  # [B]
-        pre_t = torch.tensor(prefix_lens, dtype=torch.int64)  # [B]
-        indptr = torch.zeros(len(extend_lens) + 1, dtype=torch.int64)  # [B + 1]
-        torch.cumsum(ext_t, 0, out=indptr[1:])
-        owner = torch.repeat_interleave(torch.arange(len(extend_lens)), ext_t)  # [T]
-        positions = torch.arange(num_tokens) - indptr[:-1][owner] + pre_t[owner]  # [T]
-        slots = table[owner, positions // page_size].to(torch.int64) * page_size  # [T]
+        host = page_table.numpy() if isinstance(page_table, torch.Tensor) else page_table
+        table = np.ascontiguousarray(host[:, : max(1, max_pages)], dtype=np.int32)  # [B, P]
+        ext = np.asarray(extend_lens, dtype=np.int64)  # [B]
+        pre = np.asarray(prefix_lens, dtype=np.int64)  # [B]
+        indptr = np.zeros(len(extend_lens) + 1, dtype=np.int64)  # [B + 1]
+        np.cumsum(ext, out=indptr[1:])
+        owner = np.repeat(np.arange(len(extend_lens)), ext)  # [T]
+        positions = np.arange(num_tokens, dtype=np.int64) - indptr[:-1][owner] + pre[owner]  # [T]
+        slots = table[owner, positions // page_size].astype(np.int64) * page_size  # [T]
         slots += positions % page_size
 
-        def dev(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device, non_blocking=True)
+        def dev(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(device, non_blocking=True)
 
         return cls(
-            input_ids=dev(torch.tensor(input_ids, dtype=torch.int64)),
+            input_ids=dev(np.asarray(input_ids, dtype=np.int64)),
             positions=dev(positions),
             out_cache_loc=dev(slots),
-            seq_lens=dev(torch.tensor(seq, dtype=torch.int32)),
-            prefix_lens=dev(pre_t.to(torch.int32)),
-            extend_lens=dev(ext_t.to(torch.int32)),
-            qo_indptr=dev(indptr.to(torch.int32)),
-            page_table=dev(table.contiguous()),
-            logits_indices=dev(torch.tensor(logits_rows, dtype=torch.int64)),
+            seq_lens=dev(np.asarray(seq, dtype=np.int32)),
+            prefix_lens=dev(pre.astype(np.int32)),
+            extend_lens=dev(ext.astype(np.int32)),
+            qo_indptr=dev(indptr.astype(np.int32)),
+            page_table=dev(table),
+            logits_indices=dev(np.asarray(logits_rows, dtype=np.int64)),
             page_size=page_size,
             seq_lens_cpu=seq,
             extend_lens_cpu=list(extend_lens),

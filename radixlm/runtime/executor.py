@@ -127,7 +127,7 @@ def build_forward_batch(
             sample_row.append(-1)
         offset += item.num_tokens
     fb = ForwardBatch.from_parts(
-        ids, prefix, extend, table.table[torch.tensor(rows)], logits_rows, page_size, device
+        ids, prefix, extend, table.table.numpy()[rows], logits_rows, page_size, device
     )
     return fb, sample_row, lp_positions
 
