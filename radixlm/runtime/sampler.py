@@ -388,7 +388,7 @@ class Sampler:
 
     def uniforms(self, info: SamplingBatchInfo) -> Tensor:
         """One U[0, 1) per row of ``info`` (seeded rows from their own generator)."""
-        return self._uniforms(info, list(range(info.batch_size)), info.temperatures.device)
+        return self._uniforms(info, list(range(info.batch_size)), info.device)
 
     def _uniforms(self, info: SamplingBatchInfo, rows: list[int], device: torch.device) -> Tensor:
         """One U[0, 1) per sampled row: seeded rows from their own generator, the others from

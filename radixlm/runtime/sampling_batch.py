@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -44,10 +45,8 @@ class SamplingBatchInfo:
     without reading tensors back.
     """
 
-    temperatures: Tensor  # [B] float32
-    top_ks: Tensor  # [B] int64
-    top_ps: Tensor  # [B] float32
-    min_ps: Tensor  # [B] float32
+    temperature_list: list[float]  # [B]; the tensors below are built on first read
+    device: torch.device
     is_greedy: list[bool]
     generators: list[torch.Generator | None]
     logprobs: list[bool]
@@ -74,6 +73,24 @@ class SamplingBatchInfo:
     def __post_init__(self) -> None:
         self.all_greedy = all(self.is_greedy)
         self.need_logprobs = any(self.logprobs)
+
+    # The per-row filter tensors, built when the sampler first reads them: an all-greedy step
+    # (argmax only) never does, and four small tensors cost ~60 us of a CPU decode step.
+    @cached_property
+    def temperatures(self) -> Tensor:  # [B] float32
+        return torch.tensor(self.temperature_list, dtype=torch.float32, device=self.device)
+
+    @cached_property
+    def top_ks(self) -> Tensor:  # [B] int64
+        return torch.tensor(self.top_k_list, dtype=torch.int64, device=self.device)
+
+    @cached_property
+    def top_ps(self) -> Tensor:  # [B] float32
+        return torch.tensor(self.top_p_list, dtype=torch.float32, device=self.device)
+
+    @cached_property
+    def min_ps(self) -> Tensor:  # [B] float32
+        return torch.tensor(self.min_p_list, dtype=torch.float32, device=self.device)
 
     @property
     def need_penalties(self) -> bool:
@@ -113,10 +130,8 @@ class SamplingBatchInfo:
         top_ks = [vocab_size if p.top_k < 1 else min(p.top_k, vocab_size) for p in params]
         top_ps = [p.top_p for p in params]
         info = cls(
-            temperatures=f32([1.0 if p.is_greedy else p.temperature for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=f32(top_ps),
-            min_ps=f32([p.min_p for p in params]),
+            temperature_list=[1.0 if p.is_greedy else p.temperature for p in params],
+            device=device,
             is_greedy=[p.is_greedy for p in params],
             generators=list(generators),
             logprobs=[p.logprobs for p in params],
