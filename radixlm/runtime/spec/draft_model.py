@@ -169,7 +169,7 @@ class DraftModel:
         logits_rows: list[int],
     ) -> torch.Tensor:  # [len(logits_rows), V] float32
         """One ragged draft forward (every item has >= 1 new token: `extend[i] > 0`)."""
-        table = self.page_table.table[torch.tensor(rows)]
+        table = self.page_table.table.numpy()[rows]  # [B, P] int32, as the executor's
         fb = ForwardBatch.from_parts(
             ids, prefix, extend, table, logits_rows, self.runner.page_size, self.device
         )
