@@ -34,6 +34,15 @@ def min_tokens_suppress_ids(
     return [*params.stop_token_ids, *eos]
 
 
+def _lazy_tensor(source: str, dtype: torch.dtype) -> cached_property:
+    """A ``SamplingBatchInfo`` tensor built from its host list ``source`` on first read."""
+
+    def build(info: SamplingBatchInfo) -> Tensor:
+        return torch.tensor(getattr(info, source), dtype=dtype, device=info.device)
+
+    return cached_property(build)
+
+
 @dataclass
 class SamplingBatchInfo:
     """Per-step sampling state for a batch of ``B`` rows, built from CPU lists once per step.
@@ -76,21 +85,10 @@ class SamplingBatchInfo:
 
     # The per-row filter tensors, built when the sampler first reads them: an all-greedy step
     # (argmax only) never does, and four small tensors cost ~60 us of a CPU decode step.
-    @cached_property
-    def temperatures(self) -> Tensor:  # [B] float32
-        return torch.tensor(self.temperature_list, dtype=torch.float32, device=self.device)
-
-    @cached_property
-    def top_ks(self) -> Tensor:  # [B] int64
-        return torch.tensor(self.top_k_list, dtype=torch.int64, device=self.device)
-
-    @cached_property
-    def top_ps(self) -> Tensor:  # [B] float32
-        return torch.tensor(self.top_p_list, dtype=torch.float32, device=self.device)
-
-    @cached_property
-    def min_ps(self) -> Tensor:  # [B] float32
-        return torch.tensor(self.min_p_list, dtype=torch.float32, device=self.device)
+    temperatures = _lazy_tensor("temperature_list", torch.float32)  # [B]
+    top_ks = _lazy_tensor("top_k_list", torch.int64)  # [B]
+    top_ps = _lazy_tensor("top_p_list", torch.float32)  # [B]
+    min_ps = _lazy_tensor("min_p_list", torch.float32)  # [B]
 
     @property
     def need_penalties(self) -> bool:
