@@ -165,9 +165,10 @@ def expected_accepted(alpha: float, k: int) -> float:
 # share: the measured costs and learned acceptance are noisy, so a draft that "pays" by less is
 # a loss as often as a gain. (The cost is the whole step's, host work included: the proposals,
 # the verification's per-row sampling and checks, ~3-5% of a batch-8 CPU step, ~20% of a
-# batch-8 step on an H200.) NOTE: it does not settle `free` at batch 8 (2 threads,
-# AVX512_BF16 EPYC): 0.89-0.95x without it, 0.89-1.06x with it: the per-request acceptance
-# estimates run above what stands there (drafts planned at alpha 0.8-0.99, 0.57-0.64 accepted).
+# batch-8 step on an H200.) NOTE: while the cost was the forward and sampling only, the margin
+# did not settle `free` at batch 8 (2 threads, AVX512_BF16 EPYC): 0.89-0.95x without it,
+# 0.89-1.06x with it (the acceptance estimates ran above what stood there); with the whole
+# step's cost, 1.01-1.02x there and 1.18-1.22x on an H200 (0.89x before).
 DRAFT_MARGIN = 0.10
 
 
