@@ -136,7 +136,12 @@ class LLGuidanceCompiled(CompiledGrammar):
 
 class LLGuidanceMatcher(EosMatcher):
     """llguidance's matcher. With ``twin`` (``LooseMasks``) it also feeds every consumed token
-    to the twin, whose masks ``fill_bitmask_loose`` gives; ``fill_bitmask`` stays exact."""
+    to the twin, whose masks ``fill_bitmask_loose`` gives; ``fill_bitmask`` stays exact.
+
+    The twin is fed lazily: the tokens the exact matcher consumed since the twin last caught
+    up wait in ``_twin_pending`` (a rollback takes them back from there first), and the twin
+    consumes them at its next mask, which the step's prefetch computes on the worker thread
+    while the model runs: the step thread pays one llguidance commit per token, not two."""
 
     def __init__(
         self,
@@ -151,6 +156,7 @@ class LLGuidanceMatcher(EosMatcher):
         self._m = matcher
         self._accepted = accepted  # tokens given to llguidance (EOS excluded)
         self._twin = twin if table is not None else None
+        self._twin_pending: list[int] = []  # consumed by the exact matcher, not yet by the twin
         self._table = table
         # Set by ``fill_bitmask_loose`` for this state (any accept or rollback clears it).
         self._plain_exact = False
@@ -173,6 +179,7 @@ class LLGuidanceMatcher(EosMatcher):
         self._check()
 
     def fill_bitmask_loose(self, bitmask: torch.Tensor, row: int) -> bool:
+        self._sync_twin()
         twin, table = self._twin, self._table
         if twin is None or table is None or self._terminated:
             self.fill_bitmask(bitmask, row)
@@ -218,11 +225,19 @@ class LLGuidanceMatcher(EosMatcher):
         return True
 
     def _feed_twin(self, ids: list[int]) -> None:
-        """The twin takes what the exact matcher took (a relaxation: it always can; if not,
-        it is dropped and the masks are exact from here on)."""
+        """The twin is to take what the exact matcher took (at its next mask: ``_sync_twin``)."""
         self._plain_exact = False
-        if self._twin is not None and self._twin.try_consume_tokens(ids) != len(ids):
-            self._twin = None
+        if self._twin is not None:
+            self._twin_pending += ids
+
+    def _sync_twin(self) -> None:
+        """The twin consumes the pending tokens (a relaxation: it always can; if not, it is
+        dropped and the masks are exact from here on)."""
+        pending = self._twin_pending
+        if pending:
+            if self._twin is not None and self._twin.try_consume_tokens(pending) != len(pending):
+                self._twin = None
+            self._twin_pending = []
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         # One call for a run (jump-forward's forced tokens): ~15 us a token less than one at a
@@ -249,13 +264,19 @@ class LLGuidanceMatcher(EosMatcher):
             self._check()
         self._accepted -= num_tokens
         self._plain_exact = False
-        if self._twin is not None and not self._twin.rollback(num_tokens):
+        pending = min(num_tokens, len(self._twin_pending))
+        if pending:
+            del self._twin_pending[len(self._twin_pending) - pending :]
+        rest = num_tokens - pending
+        if rest and self._twin is not None and not self._twin.rollback(rest):
             self._twin = None
 
     def fork(self) -> LLGuidanceMatcher:
         twin = self._twin.deep_copy() if self._twin is not None else None
-        return LLGuidanceMatcher(self.vocab, self._m.deep_copy(), self._accepted, self._terminated,
-                                 twin, self._table)  # fmt: skip
+        m = LLGuidanceMatcher(self.vocab, self._m.deep_copy(), self._accepted, self._terminated,
+                              twin, self._table)  # fmt: skip
+        m._twin_pending = list(self._twin_pending)
+        return m
 
     def forced_bytes(self) -> bytes:
         if self.is_completed():

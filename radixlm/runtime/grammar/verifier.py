@@ -7,9 +7,12 @@ may stand:
 - a value at a *known position* (reached from the root through ``properties``,
   ``patternProperties``, ``additionalProperties``, ``prefixItems``, ``items``, local ``$ref``
   and ``allOf``: every schema object that applies there for sure) is validated with
-  ``jsonschema`` (format checker on) against each applicable object whose subtree holds a
-  relaxed keyword; positions below ``anyOf`` / ``oneOf`` / ``if`` are checked by their nearest
-  known ancestor. The root is always a known position, so a finished document is valid.
+  ``jsonschema`` (format checker on) against each applicable object that may refuse it by its
+  own keywords (``refuses_own``: a relaxed keyword on it, or below it where no known position
+  reaches); an object whose relaxed keywords all sit at known positions below it had them
+  checked there, as each of those values completed. Positions below ``anyOf`` / ``oneOf`` /
+  ``if`` are checked by their nearest known ancestor. The root is always a known position, so
+  a finished document is valid.
   ``jsonschema_rs`` (compiled, ~100x faster) validates instead where the two cannot
   disagree: a schema object whose subtree (through its references) holds no regex, format,
   ``multipleOf`` or scope keyword (``_RS_UNSAFE``) and only references into ``$defs`` /
@@ -81,6 +84,9 @@ class SchemaVerifier:
         self._fast: dict[int, Any] = {}  # id(node) -> its jsonschema_rs validator, or None
         # (ids of a position's schema objects, key or index) -> the child position's
         self._children: dict[tuple[tuple[int, ...], str | int], Nodes] = {}
+        # An expansion cut at ``_MAX_EXPAND``: a known position may then miss schema objects,
+        # and ``value`` checks every tainted object, not only those that refuse on their own.
+        self._truncated = False
         self.root: Nodes = self._expand(schema)
 
     @classmethod
@@ -106,6 +112,8 @@ class SchemaVerifier:
                 stack.append(target)
             if isinstance(n.get("allOf"), list):
                 stack.extend(reversed(n["allOf"]))
+        if stack:
+            self._truncated = True
         return tuple(out)
 
     def child(self, nodes: Nodes, step: str | int) -> Nodes:
@@ -302,7 +310,8 @@ class SchemaVerifier:
         return None
 
     def value(self, nodes: Nodes, span: str) -> str | None:
-        checked = [n for n in nodes if self.tainted(n)]
+        own = not self._truncated
+        checked = [n for n in nodes if self.tainted(n) and (not own or self.refuses_own(n))]
         if not checked:
             return None
         # The answer depends only on the schema objects and the text: the rows of a batch

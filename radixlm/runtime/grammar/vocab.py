@@ -152,7 +152,17 @@ class TokenVocab:
                 data = decode_token(text, encoding)
             out[i] = data or None
 
-        def encode(text: str) -> list[int]:
-            return list(tokenizer.encode(text, add_special_tokens=False))
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's Rust core
+        if backend is not None:
+            # The Rust tokenizer itself: what a fast tokenizer's ``encode`` calls, without its
+            # Python layers (~6 us against ~17 us a call; jump-forward re-spells text per step).
+
+            def encode(text: str) -> list[int]:
+                return list(backend.encode(text, add_special_tokens=False).ids)
+
+        else:
+
+            def encode(text: str) -> list[int]:
+                return list(tokenizer.encode(text, add_special_tokens=False))
 
         return cls(token_bytes=tuple(out), eos_token_ids=eos, encode=encode)
