@@ -8,7 +8,10 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    sets the forbidden logits to ``-inf`` on the logits' device. The executor calls
    ``prefetch`` with the rows' matchers before the forward: the rows are then filled on a
    worker thread while the model runs (the backends' fills run native code), and ``mask``
-   only waits for them.
+   only waits for them. On CPU, where each logits row is one of those rows, the executor also
+   hands the forward ``fused_mask``: an LM head that can (the int8 kernel) writes the filled
+   masks into the logits as it makes them (no pass over 8 fp32 rows of 49k read back from
+   memory afterwards), and ``mask`` then only adds the ``min_new_tokens`` suppressions.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
 3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
    schema refuses is masked and its row resampled, until one stands or none is left (a dead
@@ -20,7 +23,12 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
 Invariants:
 
 - While a prefetch is in flight only its worker reads those matchers and writes the bitmask:
-  every other entry (``mask``, ``verify``, ``advance``) first waits for it (``_settle``).
+  every other entry (``mask``, ``verify``, ``advance``, the forward's ``fused_mask``) first
+  waits for it (``_settle``).
+- ``mask`` skips the bitmask of rows that ``fused_mask`` put into the logits only when they
+  are the same matchers (and loose masks are wanted where they were loose); otherwise it
+  fills and applies as usual (masking again only removes more: an exact mask is a subset of
+  the loose one).
 - A constrained row is never left without an allowed token: a suppression that would empty it
   is dropped (EOS / stop ids are then allowed although fewer than ``min_new_tokens`` exist).
 - ``advance`` returns the tokens to append; the matcher has accepted exactly them (after the
@@ -114,6 +122,9 @@ class GrammarStep:
         ) = None
         # Rows of the last ``mask`` filled loose (a superset: ``verify`` checks their samples).
         self._loose: list[bool] = []
+        # Set by the forward's ``fused_mask``: the matchers whose masks are in the logits, and
+        # which of them were loose; read (and cleared) by the next ``mask``.
+        self._premasked: tuple[list[GrammarMatcher | None], list[bool]] | None = None
         self.verifier_stats: dict[str, KeywordStats] = {}
         self.verifier_seconds = 0.0  # time spent checking sampled tokens (included above)
         self.max_rollbacks = max_rollbacks  # per request (``GrammarMatcher.backtrack``)
@@ -135,13 +146,37 @@ class GrammarStep:
         them) on the worker thread; the caller runs the forward meanwhile and must not change
         these matchers before ``mask``."""
         self._settle()
+        self._premasked = None
         if not any(m is not None for m in matchers):
             return
+        start = time.perf_counter()
         bitmask = self._buffer(len(matchers))
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixlm-grammar-mask")
         future = self._worker.submit(self._fill_overlapped, list(matchers), bitmask)
         self._prefetched = (list(matchers), future)
+        self.seconds += time.perf_counter() - start
+
+    def fused_mask(self) -> Callable[[int], tuple[torch.Tensor, list[int]] | None] | None:
+        """For the forward that the in-flight ``prefetch`` overlaps, when row i of its logits
+        is the sample of that prefetch's ``matchers[i]`` (the caller's promise; no row wants
+        the raw logits): ``Model.forward``'s ``logits_mask``, which waits for the fill and
+        hands the LM head the bitmask and the constrained rows. None off the CPU or with no
+        prefetch in flight. The next ``mask`` of those matchers then skips their bitmask."""
+        if self._prefetched is None or self.device.type != "cpu":
+            return None
+        matchers = self._prefetched[0]
+
+        def masks(num_rows: int) -> tuple[torch.Tensor, list[int]] | None:
+            start = time.perf_counter()
+            loose = self._settle()  # the fill, done on the worker during the forward
+            self.seconds += time.perf_counter() - start
+            if loose is None or num_rows != len(matchers):
+                return None  # ``mask`` fills and applies as usual
+            self._premasked = (matchers, loose)
+            return self._buffer(len(matchers)), [i for i, m in enumerate(matchers) if m is not None]
+
+        return masks
 
     @staticmethod
     def _fill_overlapped(
@@ -192,21 +227,27 @@ class GrammarStep:
         if not rows:
             return suppress
         start = time.perf_counter()
-        same = self._prefetched is not None and len(self._prefetched[0]) == len(matchers)
-        same = same and all(a is b for a, b in zip(self._prefetched[0], matchers))  # type: ignore[index]
+        premasked, self._premasked = self._premasked, None
+        applied = premasked is not None and _same(premasked[0], matchers)
+        applied = applied and (loose or not any(premasked[1]))  # type: ignore[index]
+        same = self._prefetched is not None and _same(self._prefetched[0], matchers)
         prefetched = self._settle()
         bitmask = self._buffer(len(matchers))
-        if prefetched is not None and same and (loose or not any(prefetched)):
+        if applied:
+            self._loose = premasked[1]  # type: ignore[index]
+        elif prefetched is not None and same and (loose or not any(prefetched)):
             self._loose = prefetched
         else:
             self._loose = _fill_rows(matchers, bitmask, loose=loose)
         out = list(suppress)
+        changed = []  # rows whose bitmask the suppressions changed after ``fused_mask``
         for i in rows:
             if out[i]:
                 self._suppress(bitmask, i, out[i])
                 out[i] = []
+                changed.append(i)
         with torch.inference_mode():  # the runner's logits are inference tensors
-            apply_token_bitmask(logits, bitmask, rows)
+            apply_token_bitmask(logits, bitmask, changed if applied else rows)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -330,6 +371,11 @@ class GrammarStep:
         self.num_jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
         self.num_jump_forward_rollbacks += jf.num_rollback
         return Advance(tokens, kept, jf.must_stop or matcher.is_terminated())
+
+
+def _same(a: list[GrammarMatcher | None], b: list[GrammarMatcher | None]) -> bool:
+    """The same matcher objects, row for row."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _refuser(logits: torch.Tensor) -> Callable[[int, int], None]:

@@ -132,6 +132,19 @@ def build_forward_batch(
     return fb, sample_row, lp_positions
 
 
+def _one_row_per_sample(batch: ScheduledBatch, sample_row: list[int], fb: ForwardBatch) -> bool:
+    """Logits row i is the i-th sample's (no prompt-logprob rows, no drafts) and no
+    constrained sample asks for logprobs (those come from the unmasked logits): the grammar's
+    masks may go into the logits as the forward makes them (``GrammarStep.fused_mask``)."""
+    n = fb.logits_indices.shape[0]
+    if len(batch.samples) != n:
+        return False
+    for i, s in enumerate(batch.samples):
+        if sample_row[s.item] != i or (s.req.grammar is not None and s.req.params.logprobs):
+            return False
+    return True
+
+
 def row_matchers(reqs: Sequence[Request], prefixes: Sequence[list[int]]) -> list[Any]:
     """The grammar matcher each sampling row is masked by: its request's, or for a row after a
     speculative draft's first tokens, a fork of it advanced through them (the request's own
@@ -216,9 +229,9 @@ class Proposer(Protocol):
 
 
 class Executor:
-    """Runs a `ScheduledBatch` on a model runner (`forward(ForwardBatch) -> [R, V]`,
-    `kv_cache.copy_pages`, `device`, `vocab_size`); with a `proposer`, the draft model first
-    fills the drafts the scheduler reserved room for."""
+    """Runs a `ScheduledBatch` on a model runner (`forward(ForwardBatch[, logits_mask])
+    -> [R, V]`, `kv_cache.copy_pages`, `device`, `vocab_size`); with a `proposer`, the draft
+    model first fills the drafts the scheduler reserved room for."""
 
     def __init__(
         self,
@@ -250,10 +263,14 @@ class Executor:
         fb, sample_row, lp_positions = build_forward_batch(
             batch, self.page_table, self.runner.page_size, self.device
         )
+        masks = None
         if self.grammar is not None and not any(item.draft for item in batch.items):
             # One row per sample, masked by its request's matcher: filled during the forward.
             self.grammar.prefetch([s.req.grammar for s in batch.samples])
-        logits = self.runner.forward(fb)  # [R, V] float32
+            if _one_row_per_sample(batch, sample_row, fb):
+                masks = self.grammar.fused_mask()  # for the LM head to write into the logits
+        # [R, V] float32
+        logits = self.runner.forward(fb) if masks is None else self.runner.forward(fb, masks)
         if batch.page_copies:
             src, dst = zip(*batch.page_copies)
             self.runner.kv_cache.copy_pages(list(src), list(dst))

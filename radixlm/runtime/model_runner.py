@@ -19,6 +19,7 @@ from radixlm.kernels.registry import (
     resolve_backend_name,
 )
 from radixlm.runtime.cuda_graph import DecodeGraphs, GraphCapture
+from radixlm.runtime.models.base import LogitsMask
 from radixlm.runtime.models.registry import check_architecture, check_quantization, model_class
 
 if TYPE_CHECKING:
@@ -401,15 +402,20 @@ class ModelRunner:
         assert isinstance(self.kv_cache, HybridKVCache)
         self.kv_cache.bind_swa_map(torch.frombuffer(swa_map, dtype=torch.int32))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
+    def forward(
+        self, batch: ForwardBatch, logits_mask: LogitsMask | None = None
+    ) -> torch.Tensor:  # [R, V] float32
         """The logits of `batch.logits_indices`: a decode graph's replay where one serves the
-        batch, else the eager forward."""
+        batch, else the eager forward. `logits_mask`: grammar masks the LM head may write
+        into the logits (`Model.forward`; a graph never calls it)."""
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run(batch)
             if logits is not None:
                 return logits
-        return self.forward_eager(batch)
+        return self.forward_eager(batch, logits_mask)
 
-    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
+    def forward_eager(
+        self, batch: ForwardBatch, logits_mask: LogitsMask | None = None
+    ) -> torch.Tensor:  # [R, V] float32
         self.attn.init_forward(batch)
-        return self.model(batch, self.attn)
+        return self.model(batch, self.attn, logits_mask)

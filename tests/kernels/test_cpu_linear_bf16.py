@@ -273,3 +273,58 @@ def test_gated_linear_past_the_kernels_rows_takes_onednn_then_silu_and_mul(monke
     assert small.shape == (8, 48) and large.shape == (12, 48)
     torch.testing.assert_close(large.float(), ref.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(small.float(), large[:8].float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (577, 100), (40, 7), (1000, 64)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("masked", [[], [0], [1, 2, 8], "all"])
+def test_logits_variant_is_the_float_product_with_the_masks(n, k, m, masked):
+    """`linear_bf16_logits` = `linear_bf16(...).float()` then `apply_token_bitmask_torch` on
+    `rows` (the LM head writing a grammar's masks into the logits), bias included."""
+    from radixlm.runtime.grammar.bitmask import apply_token_bitmask_torch
+
+    gen = torch.Generator().manual_seed(n * 31 + k + m)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    wp = _op().pack_bf16_linear(w)
+    chosen = list(range(m)) if masked == "all" else [r for r in masked if r < m]
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (m + 2, (n + 31) // 32 + 1), generator=gen)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[:, ::3] = 0
+    bitmask[:, 1::4] = -1
+    for bias in (None, b):
+        got = _op().linear_bf16_logits(x, wp, bias, n, bitmask, torch.tensor(chosen).long())
+        want = _op().linear_bf16(x, wp, bias, n).float()
+        apply_token_bitmask_torch(want, bitmask, chosen)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (n, k, m)
+
+
+def test_logits_variant_refuses_bad_masks():
+    w = _op().pack_bf16_linear(torch.randn(64, 16).bfloat16())
+    x = torch.zeros(2, 16, dtype=torch.bfloat16)
+    ok = torch.zeros(2, 2, dtype=torch.int32)
+    rows = torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="too narrow"):
+        _op().linear_bf16_logits(x, w, None, 64, torch.zeros(2, 1, dtype=torch.int32), rows)
+    with pytest.raises(RuntimeError, match="out of range"):
+        _op().linear_bf16_logits(x, w, None, 64, ok, torch.tensor([2]))
+    with pytest.raises(RuntimeError, match="bf16 x"):
+        _op().linear_bf16_logits(x.float(), w, None, 64, ok, rows)
+
+
+def test_packed_head_takes_masks_for_the_kernels_rows():
+    torch.manual_seed(0)
+    head = PackedLinear(nn.Linear(64, 70, bias=False).bfloat16(), bf16_kernel=True)
+    x = torch.randn(8, 64).bfloat16()
+    assert head.takes_masks(x) and not head.takes_masks(x.float())
+    gated = PackedLinear(nn.Linear(64, 140, bias=False).bfloat16(), bf16_kernel=True, gated=True)
+    assert not gated.takes_masks(x)
+    bitmask = torch.zeros(8, 3, dtype=torch.int32)
+    bitmask[:, 2] = 0b101  # tokens 64 and 66
+    out = head.masked_logits(x, bitmask, [2, 5])
+    want = head(x).float()
+    assert torch.equal(out[[0, 1, 3, 4, 6, 7]], want[[0, 1, 3, 4, 6, 7]])
+    for r in (2, 5):
+        assert torch.isfinite(out[r]).nonzero().flatten().tolist() == [64, 66]
+        assert torch.equal(out[r, [64, 66]], want[r, [64, 66]])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels.forward_batch import ForwardBatch, KVCache
+from radixlm.runtime.grammar.bitmask import apply_token_bitmask
 
 VOCAB = 64
 EOS = 2
@@ -24,6 +25,14 @@ def reference_continuation(prompt: list[int], n: int) -> list[int]:
     return ctx[len(prompt) :]
 
 
+def with_masks(logits: torch.Tensor, logits_mask) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """What an LM head that takes masks returns (``Model.forward``'s ``logits_mask``)."""
+    masks = None if logits_mask is None else logits_mask(logits.shape[0])
+    if masks is not None:
+        apply_token_bitmask(logits, *masks)
+    return logits
+
+
 class FakeRunner:
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.device = torch.device("cpu")
@@ -33,7 +42,9 @@ class FakeRunner:
         self.kv_cache = KVCache.allocate(1, num_pages, page_size, 1, 1, torch.float32, "cpu")
         self.batches: list[ForwardBatch] = []
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V]
+    def forward(self, batch: ForwardBatch, logits_mask=None) -> torch.Tensor:  # [R, V]
+        """``ModelRunner.forward``; with ``logits_mask`` (the grammar's masks) an LM head that
+        takes masks (``Model.forward``)."""
         self.batches.append(batch)
         k = self.kv_cache.k_buffers[0]
         k[batch.out_cache_loc, 0, 0] = batch.input_ids.float() + 1
@@ -51,7 +62,7 @@ class FakeRunner:
             vals = k[slots, 0, 0]
             assert bool((vals > 0).all()), f"request {i}: context slot never written"
             logits[r] = self.next_logits([int(v) - 1 for v in vals])
-        return logits
+        return with_masks(logits, logits_mask)
 
     def next_logits(self, context: list[int]) -> torch.Tensor:  # [V]
         """The logits after `context` (read back from the pages): `reference_next` wins."""
@@ -69,8 +80,9 @@ class FixedLogits:
         self.vocab_size = logits.numel()
         self.page_size = 4
 
-    def forward(self, batch):  # type: ignore[no-untyped-def]
-        return self.row.expand(len(batch.logits_indices), -1).clone()  # [R, V]
+    def forward(self, batch, logits_mask=None):  # type: ignore[no-untyped-def]
+        logits = self.row.expand(len(batch.logits_indices), -1).clone()  # [R, V]
+        return with_masks(logits, logits_mask)
 
 
 def attach_core(scheduler, runner: FakeRunner, grammar=None):

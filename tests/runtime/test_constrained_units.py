@@ -147,6 +147,71 @@ def test_prefetched_rows_are_filled_on_the_worker_and_masked_the_same():
     step.close()
 
 
+def test_masks_the_lm_head_took_are_not_applied_again():
+    """``fused_mask``: the forward's LM head gets the prefetched bitmask for the constrained
+    rows (after the fill), and the next ``mask`` of the same matchers only adds what changed
+    (a suppression); a row count that is not the prefetch's, or other matchers, take the usual
+    fill and apply; off the CPU, or with no prefetch, there is nothing to hand over."""
+    from radixlm.runtime.constrained import GrammarStep
+    from radixlm.runtime.grammar.bitmask import apply_token_bitmask
+
+    class _Mgr:
+        def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
+            return allocate_bitmask(rows, 64)
+
+    step = GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
+    assert step.fused_mask() is None  # no prefetch in flight
+    matchers = [_SlowTokens([2, 3, 9]), None, _SlowTokens([5])]
+    step.prefetch(matchers)  # type: ignore[arg-type]
+    masks = step.fused_mask()
+    assert masks is not None
+    bitmask, rows = masks(3)  # type: ignore[misc]
+    assert rows == [0, 2] and _SlowTokens.threads[-1] == "radixlm-grammar-mask_0"
+    logits = torch.zeros(3, 64)
+    apply_token_bitmask(logits, bitmask, rows)  # what the LM head writes
+    calls: list[list[int]] = []
+    import radixlm.runtime.constrained as constrained
+
+    real = constrained.apply_token_bitmask
+
+    def counted(lg, bm, rws):  # noqa: ANN001, ANN202
+        calls.append(list(rws))
+        real(lg, bm, rws)
+
+    constrained.apply_token_bitmask = counted
+    try:
+        left = step.mask(matchers, logits, [[2], [], []])  # type: ignore[arg-type]
+        assert calls == [[0]]  # only the row a suppression changed
+        assert left == [[], [], []]
+        assert torch.isfinite(logits[0]).tolist() == [t in (3, 9) for t in range(64)]
+        assert bool(torch.isfinite(logits[1]).all())
+        assert torch.isfinite(logits[2]).tolist() == [t == 5 for t in range(64)]
+        # the wrong row count: nothing handed over, ``mask`` fills and applies as usual
+        step.prefetch(matchers)  # type: ignore[arg-type]
+        masks = step.fused_mask()
+        assert masks is not None and masks(4) is None
+        logits = torch.zeros(3, 64)
+        step.mask(matchers, logits, [[], [], []])  # type: ignore[arg-type]
+        assert calls[-1] == [0, 2]
+        assert torch.isfinite(logits[0]).tolist() == [t in (2, 3, 9) for t in range(64)]
+        # handed over for these matchers, then masked for others: filled and applied again
+        step.prefetch(matchers)  # type: ignore[arg-type]
+        masks = step.fused_mask()
+        assert masks is not None and masks(3) is not None
+        other = [_OnlyTokens([4]), None, None]
+        logits = torch.zeros(3, 64)
+        step.mask(other, logits, [[], [], []])  # type: ignore[arg-type]
+        assert calls[-1] == [0]
+        assert torch.isfinite(logits[0]).tolist() == [t == 4 for t in range(64)]
+    finally:
+        constrained.apply_token_bitmask = real
+        step.close()
+    gpu = GrammarStep(_Mgr(), torch.device("meta"))  # type: ignore[arg-type]
+    gpu.prefetch(matchers)  # type: ignore[arg-type]
+    assert gpu.fused_mask() is None  # only the CPU LM head takes masks
+    gpu.close()
+
+
 @pytest.mark.parametrize("impl", ["xgrammar", "torch"])
 def test_mask_works_on_inference_tensors(monkeypatch, impl):
     """The runner returns logits made under inference_mode; both apply paths mask them."""

@@ -15,6 +15,7 @@ from torch import nn
 from radixlm.config import CacheConfig, EngineConfig
 from radixlm.kernels.cpu import build
 from radixlm.kernels.forward_batch import ForwardBatch
+from radixlm.runtime.grammar.bitmask import apply_token_bitmask_torch
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.quantization import (
     QuantEmbedding,
@@ -25,6 +26,7 @@ from radixlm.runtime.quantization import (
     quantize_linear,
 )
 from radixlm.runtime.quantization.gguf_reader import decode_blocks, iter_gguf
+from radixlm.runtime.quantization.kernels import int8_rows_supported
 
 CPU = torch.device("cpu")
 IDS = [(i * 7919) % 40000 + 5 for i in range(40)]
@@ -322,6 +324,33 @@ def test_quantized_stack_equals_python_layers(request, fixture: str, mode: str) 
     dense = steps(runner(model_dir))
     tol = 0.05 if mode == "int8" else 0.3
     assert _relerr(with_stack, dense) < tol
+
+
+@pytest.mark.skipif(not int8_rows_supported(), reason="the int8 kernel needs AVX512_BF16")
+@pytest.mark.parametrize("mode", ["int8", "none"])
+def test_the_lm_head_writes_grammar_masks_into_the_logits(tiny_llama_dir, mode: str) -> None:
+    """``Model.forward``'s ``logits_mask``: asked with the row count right before the LM head,
+    its masks come back in the logits (= the plain logits with ``apply_token_bitmask``); a
+    mask that answers None, or a head that cannot take masks (fp32), leaves them as they are.
+    The int8 head (``int8_mm_logits``) and the bf16 packed one (``linear_bf16_logits``)."""
+    fb = ForwardBatch.build(
+        [IDS[:5], IDS[5:8], IDS[8:9]], [0, 0, 0], [[0, 1], [2], [3]], [[4], [2], [0]], 4, "cpu"
+    )
+    gen = torch.Generator().manual_seed(3)
+    for dtype, takes in (("bfloat16", True), ("float32", False)):
+        r = runner(tiny_llama_dir, dtype, quantization=mode)
+        head = type(r.model.lm_head).__name__
+        assert head == ("QuantLinear" if mode == "int8" else "PackedLinear"), head
+        plain = r.forward(fb)  # [3, V]
+        words = (plain.shape[1] + 31) // 32
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (4, words), generator=gen).to(torch.int32)
+        asked: list[int] = []
+        got = r.forward(fb, lambda rows, m=bitmask, a=asked: a.append(rows) or (m, [0, 2]))
+        want = plain.clone()
+        if takes:
+            apply_token_bitmask_torch(want, bitmask, [0, 2])
+        assert asked == ([3] if takes else []) and torch.equal(got, want), dtype
+        assert torch.equal(r.forward(fb, lambda rows: None), plain)
 
 
 @pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")

@@ -46,6 +46,7 @@ from radixlm.runtime.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from radixlm.runtime.distributed.tier_ops import TIER_OPS, BroadcastTierFollowers, WorkerTier
+from radixlm.runtime.models.base import LogitsMask
 
 logger = logging.getLogger(__name__)
 
@@ -317,12 +318,14 @@ class TensorParallelRunner:
 
     # ---- operations ----------------------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [R, V] float32
+    def forward(
+        self, batch: ForwardBatch, logits_mask: LogitsMask | None = None
+    ) -> torch.Tensor:  # [R, V] float32
         if self.failed:
             raise TensorParallelError(self.failed)
         self._send(*encode_forward(batch))
         try:
-            return self.local.forward(batch)
+            return self.local.forward(batch, logits_mask)
         except Exception as exc:  # a collective failed: a peer is gone
             raise self._fail(f"forward failed: {exc}") from exc
 

@@ -9,8 +9,9 @@ may stand:
   and ``allOf``: every schema object that applies there for sure) is validated with
   ``jsonschema`` (format checker on) against each applicable object that may refuse it by its
   own keywords (``refuses_own``: a relaxed keyword on it, or below it where no known position
-  reaches); an object whose relaxed keywords all sit at known positions below it had them
-  checked there, as each of those values completed. Positions below ``anyOf`` / ``oneOf`` /
+  reaches), but for ``uniqueItems`` and ``propertyNames``, checked in full item by item and
+  key by key (below); an object whose relaxed keywords all sit at known positions below it
+  had them checked there, as each of those values completed. Positions below ``anyOf`` / ``oneOf`` /
   ``if`` are checked by their nearest known ancestor. The root is always a known position, so
   a finished document is valid.
   ``jsonschema_rs`` (compiled, ~100x faster) validates instead where the two cannot
@@ -52,6 +53,9 @@ from radixlm.runtime.grammar.schema_keywords import (
 )
 
 _MAX_EXPAND = 64
+# Relaxed keywords checked in full as the value is generated, never again where it completes:
+# each key against ``propertyNames`` (``key``), each item against the earlier ones (``item``).
+_INCREMENTAL = frozenset({"uniqueItems", "propertyNames"})
 _MAX_CACHED_SPAN = 256  # longer value texts are validated every time
 _MAX_CACHED_VALUES = 4096  # the value / child caches are emptied at this size
 _MAP_KEYS = frozenset({*SCHEMA_MAPS, "dependencies"})
@@ -78,6 +82,7 @@ class SchemaVerifier:
         self._validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
         self._tainted: dict[int, bool] = {}
         self._own: dict[int, bool] = {}
+        self._validated: dict[int, bool] = {}  # id(node) -> ``_validates(node)``
         # (ids of the checked schema objects, value text) -> the refusing keyword or None
         self._values: dict[tuple[tuple[int, ...], str], str | None] = {}
         self._validators: dict[int, Any] = {}
@@ -248,6 +253,26 @@ class SchemaVerifier:
     def checks_value(self, nodes: Nodes) -> bool:
         return any(self.tainted(n) for n in nodes)
 
+    def _validates(self, node: Any) -> bool:
+        """``refuses_own``, less the relaxed keywords checked as the value is generated
+        (``_INCREMENTAL``): a completed value is validated against ``node`` only for the
+        others (``value``)."""
+        key = id(node)
+        if key not in self._validated:
+            found = False
+            if isinstance(node, dict):
+                relaxed = node.get(VERIFY_KEY, ())
+                # ``key`` checks each name against a relaxed ``propertyNames`` in full
+                names = node.get("propertyNames") if "propertyNames" in relaxed else None
+                found = (
+                    any(k not in _INCREMENTAL for k in relaxed)
+                    or "$dynamicRef" in node
+                    or "$recursiveRef" in node
+                    or any(s is not names and self.tainted(s) for s in _unnamed_subschemas(node))
+                )
+            self._validated[key] = found
+        return self._validated[key]
+
     def refuses_own(self, node: Any) -> bool:
         """A value at ``node`` may be refused when it completes although every value inside
         it passed its own checks: ``node`` carries a relaxed keyword, or a subschema holding
@@ -310,8 +335,8 @@ class SchemaVerifier:
         return None
 
     def value(self, nodes: Nodes, span: str) -> str | None:
-        own = not self._truncated
-        checked = [n for n in nodes if self.tainted(n) and (not own or self.refuses_own(n))]
+        all_tainted = self._truncated
+        checked = [n for n in nodes if self.tainted(n) and (all_tainted or self._validates(n))]
         if not checked:
             return None
         # The answer depends only on the schema objects and the text: the rows of a batch

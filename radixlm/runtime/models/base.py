@@ -10,7 +10,7 @@ residual stream is `residual + x` (the final norm adds them).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -21,6 +21,12 @@ from radixlm.kernels.layer_ops import LayerOps
 from radixlm.kernels.reference import softcap_ref
 from radixlm.runtime.models.layers import RMSNorm, RotaryEmbedding, head_dim_of
 from radixlm.runtime.quantization.weights import QuantizedWeight
+
+# Grammar masks for the LM head (``GrammarStep.fused_mask``): called with the logits' row count
+# R right before the head, it returns (bitmask [>= R, ceil(V / 32)] int32 CPU, the rows to mask)
+# once the head will put those masks into the logits (the caller then counts them applied), or
+# None (no masks: the logits as usual).
+LogitsMask = Callable[[int], "tuple[torch.Tensor, Sequence[int]] | None"]
 
 # checkpoint projection -> (fused module, shard index)
 LLAMA_FUSED: dict[str, tuple[str, int]] = {
@@ -102,7 +108,12 @@ class DecoderLM(nn.Module):
         return [getattr(layer.self_attn, "window", 0) for layer in self.layers]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, attn) -> torch.Tensor:  # [R, V] float32
+    def forward(
+        self, batch: ForwardBatch, attn, logits_mask: LogitsMask | None = None
+    ) -> torch.Tensor:  # [R, V] float32
+        """The logits of ``batch.logits_indices``. ``logits_mask``: grammar masks that an LM
+        head able to (``takes_masks``: the int8 CPU kernel) writes into the logits as it
+        makes them (no pass over them afterwards); it is not called otherwise."""
         x = self.embed_tokens(batch.input_ids)  # [T, H]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -114,7 +125,13 @@ class DecoderLM(nn.Module):
                 x, residual = layer(x, residual, batch, self.rope_for(i), attn)
         rows = batch.logits_indices
         x = self.norm(x[rows], residual[rows])  # [R, H]
-        logits = self.lm_head(x)
+        head = self.lm_head
+        if logits_mask is not None and not self.final_logit_softcap:
+            takes = getattr(head, "takes_masks", None)
+            masks = logits_mask(x.shape[0]) if takes is not None and takes(x) else None
+            if masks is not None:
+                return head.masked_logits(x, *masks)  # [R, V] float32
+        logits = head(x)
         if self.final_logit_softcap:
             logits = softcap_ref(logits, self.final_logit_softcap)
         return logits.float()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +186,26 @@ class PackedLinear(nn.Module):
                 x.dtype
             )
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def takes_masks(self, x: torch.Tensor) -> bool:
+        """``masked_logits`` serves ``x`` (``[T, in]``): bf16 rows the packed kernel takes."""
+        return (
+            not self.gated
+            and self.kernel_dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16
+            and x.shape[0] <= self.bf16_max_rows
+        )
+
+    def masked_logits(
+        self, x: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> torch.Tensor:  # [T, in] -> [T, out] float32
+        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks,
+        written as the kernel makes the logits (``takes_masks(x)`` must hold): the LM head's
+        logits with a grammar's masks, no pass over them afterwards."""
+        ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
+        return _op().linear_bf16_logits(
+            x, self.weight_bf16, self.bias, self.out_features, bitmask.contiguous(), ids
+        )
 
     def extra_repr(self) -> str:
         kind = "onednn" if self.weight_bf16 is None else "bf16 packed"

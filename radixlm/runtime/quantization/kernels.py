@@ -48,6 +48,15 @@ class QuantKernel:
     dequant_min_rows: int = 1 << 62
     # The packed int8 weight is the plain [N, K] matrix (an embedding can gather its rows).
     plain_rows: bool = False
+    # `mm(...).float()` with grammar masks in it: `(x, weight, scales, bitmask [>= T, W] int32,
+    # rows [R] int64) -> [T, N] float32`, -inf where bit n of bitmask[r] is 0 for each r in
+    # rows (the LM head's logits, written masked: `QuantLinear.masked_logits`). None: not offered.
+    mm_logits: (
+        Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+        ]
+        | None
+    ) = None
 
 
 def _pack_int8(qw: QuantizedWeight, dtype: torch.dtype, device: torch.device):
@@ -306,6 +315,12 @@ def _mm_int8_rows(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Te
     return _g32_op().int8_mm(x, w, s)
 
 
+def _mm_int8_logits(
+    x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    return _g32_op().int8_mm_logits(x, w, s, bitmask, rows)
+
+
 # From this many rows `INT8_ROWS` multiplies a float copy instead (measured crossover, README).
 INT8_ROWS_DEQUANT_MIN_ROWS = 48
 
@@ -380,6 +395,7 @@ INT8_ROWS = QuantKernel(
     _mm_dequantized_int8,
     dequant_min_rows=INT8_ROWS_DEQUANT_MIN_ROWS,
     plain_rows=True,
+    mm_logits=_mm_int8_logits,
 )
 
 

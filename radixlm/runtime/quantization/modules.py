@@ -17,6 +17,7 @@ Which linears get which format (`quantize_model`, `install_quantized`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -71,6 +72,26 @@ class QuantLinear(nn.Module):
         if self.group is not None:
             self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def takes_masks(self, x: torch.Tensor) -> bool:
+        """``masked_logits`` serves ``x`` (``[T, in]``): the kernel writes masked float32
+        logits (``QuantKernel.mm_logits``) for this many rows, with nothing to add after it."""
+        return (
+            self.kernel.mm_logits is not None
+            and x.shape[0] < self.kernel.dequant_min_rows
+            and self.group is None
+            and self.bias is None
+        )
+
+    def masked_logits(
+        self, x: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
+    ) -> torch.Tensor:  # [T, in] -> [T, out] float32
+        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks,
+        written as the kernel makes the logits (``takes_masks(x)`` must hold)."""
+        mm_logits = self.kernel.mm_logits
+        assert mm_logits is not None
+        ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
+        return mm_logits(x, self.qweight, self.scales, bitmask.contiguous(), ids)
 
     def extra_repr(self) -> str:
         g = "per channel" if self.bits == 8 else f"group {self.group_size}"

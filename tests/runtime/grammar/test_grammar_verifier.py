@@ -19,7 +19,7 @@ from radixlm.runtime.grammar.errors import GrammarError
 from radixlm.runtime.grammar.json_track import ScanState, advance, finish
 from radixlm.runtime.grammar.relax import VERIFY_KEY, relax_schema
 from radixlm.runtime.grammar.strict import verifier_schema_text
-from radixlm.runtime.grammar.trackers import ToolCallsTracker
+from radixlm.runtime.grammar.trackers import JsonTracker, ToolCallsTracker
 from radixlm.runtime.grammar.verified import _LAZY, VerifiedGrammar
 from radixlm.runtime.grammar.verifier import SchemaVerifier
 from radixlm.runtime.grammar.vocab import TokenVocab
@@ -462,22 +462,48 @@ class _Counting:
         return counted
 
 
-def test_a_completed_value_is_validated_once_per_schema_position() -> None:
-    """The verdict on a value text at a position is cached: the same answers, one
-    ``jsonschema`` validation for each distinct (position, text)."""
-    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(ROOT_NOT)))
-    calls: list[Any] = []
-    tags = v.child(v.root, "tags")
-    for n in tags:  # count the validations (the module may be compiled: no method patching)
+def _count_validations(v: SchemaVerifier, nodes: Any, calls: list[Any]) -> None:
+    """Record in ``calls`` each instance validated against ``nodes`` (the module may be
+    compiled: no method patching, so the validators are wrapped)."""
+    for n in nodes:
         fast = v._fast_validator(n)
         if fast is not None:
             v._fast[id(n)] = _Counting(fast, "is_valid", calls)
         else:
             v._validators[id(n)] = _Counting(v._validator_for(n), "iter_errors", calls)
-    answers = [v.value(tags, text) for text in ('["a","a"]', '["a","b"]', '["a","a"]')]
-    assert answers == ["uniqueItems", None, "uniqueItems"]
-    assert calls == [["a", "a"], ["a", "b"]]
-    assert v.value(v.root, '{"n":1}') == "not" and v.value(v.root, '{"n":2}') is None
+
+
+def test_a_completed_value_is_validated_once_per_schema_position() -> None:
+    """The verdict on a value text at a position is cached: the same answers, one
+    ``jsonschema`` validation for each distinct (position, text)."""
+    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(ROOT_NOT)))
+    calls: list[Any] = []
+    _count_validations(v, v.root, calls)
+    answers = [v.value(v.root, text) for text in ('{"n":1}', '{"n":2}', '{"n":1}')]
+    assert answers == ["not", None, "not"]
+    assert calls == [{"n": 1}, {"n": 2}]
+
+
+def test_values_checked_as_they_are_generated_are_not_validated_again() -> None:
+    """``uniqueItems`` (item by item) and ``propertyNames`` (key by key) are checked in full as
+    the value is generated, and a position whose relaxed keywords all sit at known positions
+    below it (``TAGS``' root) had them checked there: walking a document validates nothing
+    at those positions, and a repeated item is still refused, at the item."""
+    schema = {**TAGS, "propertyNames": {"pattern": "^(?!x)"}}
+    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(schema)))
+    calls: list[Any] = []
+    tags = v.child(v.root, "tags")
+    _count_validations(v, (*v.root, *tags), calls)
+    tracker = JsonTracker(v)
+    state = tracker.feed(tracker.start(), b'{"n":1,"tags":["a","b"]}')
+    assert not isinstance(state, str) and calls == []
+    assert tracker.feed(tracker.start(), b'{"n":1,"tags":["a","a"') == "uniqueItems"
+    assert tracker.feed(tracker.start(), b'{"n":1,"xy":') == "propertyNames"
+    assert calls == []
+    # ``not`` on the root is its own: validated where the root completes.
+    v = SchemaVerifier.from_text(verifier_schema_text(json.dumps(ROOT_NOT)))
+    _count_validations(v, v.root, calls)
+    assert JsonTracker(v).feed(ScanState(), b'{"n":1}') == "not" and calls == [{"n": 1}]
 
 
 def test_a_run_accepted_at_once_has_the_states_of_one_token_at_a_time() -> None:
