@@ -39,10 +39,11 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -55,6 +56,8 @@ from radixlm.runtime.grammar.bitmask import apply_token_bitmask, set_bitmask_bit
 from radixlm.runtime.grammar.manager import GrammarManager
 from radixlm.runtime.grammar.verified import VerifiedMatcher
 from radixlm.runtime.request import Request
+
+logger = logging.getLogger(__name__)
 
 # Redraws of one row before the likeliest allowed tokens are checked at once, _FIRST_SCAN of
 # them, twice as many each time after (all of them, at worst: a dead end). A redraw from the
@@ -116,10 +119,9 @@ class GrammarStep:
         # grammar's share of the steps. Mask fills done during the forward are not in it.
         self.seconds = 0.0
         self.overlapped_seconds = 0.0  # mask fills run on the worker while the model ran
-        self._worker: ThreadPoolExecutor | None = None
-        self._prefetched: (
-            tuple[list[GrammarMatcher | None], Future[tuple[float, list[bool]]]] | None
-        ) = None
+        self._worker: _FillWorker | None = None
+        # the matchers of the fill in flight on the worker
+        self._prefetched: list[GrammarMatcher | None] | None = None
         # Rows of the last ``mask`` filled loose (a superset: ``verify`` checks their samples).
         self._loose: list[bool] = []
         # Set by the forward's ``fused_mask``: the matchers whose masks are in the logits, and
@@ -152,9 +154,9 @@ class GrammarStep:
         start = time.perf_counter()
         bitmask = self._buffer(len(matchers))
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixlm-grammar-mask")
-        future = self._worker.submit(self._fill_overlapped, list(matchers), bitmask)
-        self._prefetched = (list(matchers), future)
+            self._worker = _FillWorker("radixlm-grammar-mask_0")
+        self._prefetched = list(matchers)
+        self._worker.start(self._prefetched, bitmask)
         self.seconds += time.perf_counter() - start
 
     def fused_mask(self) -> Callable[[int], tuple[torch.Tensor, list[int]] | None] | None:
@@ -165,7 +167,7 @@ class GrammarStep:
         prefetch in flight. The next ``mask`` of those matchers then skips their bitmask."""
         if self._prefetched is None or self.device.type != "cpu":
             return None
-        matchers = self._prefetched[0]
+        matchers = self._prefetched
 
         def masks(num_rows: int) -> tuple[torch.Tensor, list[int]] | None:
             start = time.perf_counter()
@@ -178,26 +180,17 @@ class GrammarStep:
 
         return masks
 
-    @staticmethod
-    def _fill_overlapped(
-        matchers: list[GrammarMatcher | None], bitmask: torch.Tensor
-    ) -> tuple[float, list[bool]]:
-        """``_fill_rows`` (loose) on the worker: its seconds and loose rows."""
-        start = time.perf_counter()
-        loose = _fill_rows(matchers, bitmask, loose=True)
-        return time.perf_counter() - start, loose
-
     def _settle(self) -> list[bool] | None:
         """Wait for an in-flight prefetch (its fill time counts as overlapped); its rows' loose
         flags when it filled without error, else None."""
         if self._prefetched is None:
             return None
-        _, future = self._prefetched
         self._prefetched = None
-        try:
-            seconds, loose = future.result()
-        except Exception:  # noqa: BLE001 - ``mask`` fills again on the step thread
-            return None
+        assert self._worker is not None
+        done = self._worker.wait()
+        if done is None:
+            return None  # the fill failed: ``mask`` fills again on the step thread
+        seconds, loose = done
         self.overlapped_seconds += seconds
         return loose
 
@@ -205,7 +198,7 @@ class GrammarStep:
         """Stop the worker thread (after any in-flight prefetch)."""
         self._settle()
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            self._worker.stop()
             self._worker = None
 
     def mask(
@@ -230,7 +223,7 @@ class GrammarStep:
         premasked, self._premasked = self._premasked, None
         applied = premasked is not None and _same(premasked[0], matchers)
         applied = applied and (loose or not any(premasked[1]))  # type: ignore[index]
-        same = self._prefetched is not None and _same(self._prefetched[0], matchers)
+        same = self._prefetched is not None and _same(self._prefetched, matchers)
         prefetched = self._settle()
         bitmask = self._buffer(len(matchers))
         if applied:
@@ -246,8 +239,9 @@ class GrammarStep:
                 self._suppress(bitmask, i, out[i])
                 out[i] = []
                 changed.append(i)
-        with torch.inference_mode():  # the runner's logits are inference tensors
-            apply_token_bitmask(logits, bitmask, changed if applied else rows)
+        if not applied or changed:
+            with torch.inference_mode():  # the runner's logits are inference tensors
+                apply_token_bitmask(logits, bitmask, changed if applied else rows)
         self.seconds += time.perf_counter() - start
         return out
 
@@ -371,6 +365,57 @@ class GrammarStep:
         self.num_jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
         self.num_jump_forward_rollbacks += jf.num_rollback
         return Advance(tokens, kept, jf.must_stop or matcher.is_terminated())
+
+
+class _FillWorker:
+    """One daemon thread that fills the bitmask rows of a ``prefetch`` (``_fill_rows``, loose)
+    while the step thread runs the forward. One fill at a time, handed over through two locks:
+    ``start`` releases ``_go``, the thread releases ``_done`` when the fill ends, ``wait``
+    takes it. (An executor's ``submit`` cost ~40 us of the step thread here, this a lock
+    release.) Invariant: between ``start`` and ``wait`` only the thread touches the job."""
+
+    def __init__(self, name: str) -> None:
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._job: tuple[list[GrammarMatcher | None], torch.Tensor] | None = None
+        self._result: tuple[float, list[bool]] | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job = self._job
+            if job is None:  # ``stop``
+                self._done.release()
+                return
+            self._result = None
+            try:
+                start = time.perf_counter()
+                loose = _fill_rows(job[0], job[1], loose=True)
+                self._result = (time.perf_counter() - start, loose)
+            except Exception:  # noqa: BLE001 - ``wait`` says None: the step thread fills again
+                logger.debug("grammar mask fill failed on the worker", exc_info=True)
+            self._done.release()
+
+    def start(self, matchers: list[GrammarMatcher | None], bitmask: torch.Tensor) -> None:
+        self._job = (matchers, bitmask)
+        self._go.release()
+
+    def wait(self) -> tuple[float, list[bool]] | None:
+        """The fill's (seconds, loose rows) once it ended, None when it failed."""
+        self._done.acquire()
+        self._job = None
+        return self._result
+
+    def stop(self) -> None:
+        """End the thread (no fill in flight)."""
+        self._job = None
+        self._go.release()
+        self._done.acquire()
+        self._thread.join()
 
 
 def _same(a: list[GrammarMatcher | None], b: list[GrammarMatcher | None]) -> bool:

@@ -12,6 +12,7 @@ the future's completion wakes the loop, which never waits on a compile.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -58,6 +59,12 @@ class Engine:
         if self.scheduler.pages.tier_loads is not None:
             # a finished background read of tier pages makes its request admissible
             self.scheduler.pages.tier_loads.on_done = lambda: self._loop.put("wake")
+        # The startup's objects (model, tokenizer, vocabularies: ~400k) move to the permanent
+        # generation, as vLLM does after init: a full collection then walks only what came
+        # after (one took ~100 ms here, holding the GIL, and so the step thread, that long).
+        # ``shutdown`` unfreezes them (a process may make many engines).
+        gc.collect()
+        gc.freeze()
         self._loop.start()
 
     @property
@@ -363,6 +370,7 @@ class Engine:
             self.parts.grammar.shutdown()
         if self.scheduler.appender.grammar is not None:
             self.scheduler.appender.grammar.close()
+        gc.unfreeze()  # what this engine leaves (and the startup froze) may be collected again
 
     def _close_hicache(self) -> None:
         """Write the tree's pages the tier lacks back to it (a restart finds them) and wait

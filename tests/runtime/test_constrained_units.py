@@ -147,6 +147,46 @@ def test_prefetched_rows_are_filled_on_the_worker_and_masked_the_same():
     step.close()
 
 
+class _FailsOnWorker(_OnlyTokens):
+    """Its fill raises on the worker thread (a backend error there), works on the caller's."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import threading
+
+        if threading.current_thread().name.startswith("radixlm-grammar-mask"):
+            raise RuntimeError("fill failed")
+        super().fill_bitmask(bitmask, row)
+
+
+def test_a_fill_that_fails_on_the_worker_is_done_again_by_mask():
+    """The worker's error is not the step's: ``fused_mask`` hands nothing over and ``mask``
+    fills on the caller's thread; the worker keeps serving the next prefetch; ``close`` ends
+    it."""
+    from radixlm.runtime.constrained import GrammarStep
+
+    class _Mgr:
+        def allocate_bitmask(self, rows: int, pin_memory: bool = False) -> torch.Tensor:
+            return allocate_bitmask(rows, 64)
+
+    step = GrammarStep(_Mgr(), torch.device("cpu"))  # type: ignore[arg-type]
+    bad = [_FailsOnWorker([6]), None]
+    step.prefetch(bad)  # type: ignore[arg-type]
+    masks = step.fused_mask()
+    assert masks is not None and masks(2) is None
+    logits = torch.zeros(2, 64)
+    step.mask(bad, logits, [[], []])  # type: ignore[arg-type]
+    assert torch.isfinite(logits[0]).tolist() == [t == 6 for t in range(64)]
+    good = [_OnlyTokens([8]), None]
+    step.prefetch(good)  # type: ignore[arg-type]
+    logits = torch.zeros(2, 64)
+    step.mask(good, logits, [[], []])  # type: ignore[arg-type]
+    assert torch.isfinite(logits[0]).tolist() == [t == 8 for t in range(64)]
+    worker = step._worker
+    assert worker is not None
+    step.close()
+    assert not worker._thread.is_alive() and step._worker is None
+
+
 def test_masks_the_lm_head_took_are_not_applied_again():
     """``fused_mask``: the forward's LM head gets the prefetched bitmask for the constrained
     rows (after the fill), and the next ``mask`` of the same matchers only adds what changed

@@ -279,9 +279,12 @@ class LLGuidanceMatcher(EosMatcher):
         return m
 
     def forced_bytes(self) -> bytes:
-        if self.is_completed():
+        if self._terminated:
             return b""
-        return bytes(self._m.compute_ff_bytes())
+        forced = self._m.compute_ff_bytes()  # most states force nothing: then no more calls
+        if not forced or self._accepting():
+            return b""
+        return bytes(forced)
 
     def only_eos_allowed(self) -> bool:
         # llguidance's ``is_stopped``: nothing but EOS can follow (no mask fill, ~1 us instead
