@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 # (a lookaround pattern it wants to break), where the mass left to draw from is small.
 _MAX_REDRAWS = 8
 _FIRST_SCAN = 32
+_NONE_PASSED: frozenset[int] = frozenset()  # ``verify``'s rows before their first scan
 DEAD_END = "grammar_dead_end"  # error code: the exact schema refuses every continuation
 
 
@@ -274,13 +275,17 @@ class GrammarStep:
             if m is None or not (isinstance(m, VerifiedMatcher) or (loose and loose[i])):
                 continue
             redraws, scan = 0, _FIRST_SCAN
-            passed: set[int] = set()  # tokens a scan found the verifier admits
+            passed = _NONE_PASSED  # tokens a scan found the verifier admits (a set once one ran)
             while tokens[i] not in passed and (keyword := m.check_token(tokens[i])) is not None:
-                stats = self.verifier_stats.setdefault(keyword, KeywordStats())
+                stats = self.verifier_stats.get(keyword)
+                if stats is None:
+                    stats = self.verifier_stats[keyword] = KeywordStats()
                 stats.masked += 1
                 removed = [tokens[i]]
                 refuse(i, tokens[i])
                 if redraws >= _MAX_REDRAWS:
+                    if passed is _NONE_PASSED:
+                        passed = set()
                     with torch.inference_mode():  # the runner's logits are inference tensors
                         removed += self._mask_refused(m, logits[i], scan, passed)
                     scan *= 2

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 Nodes = tuple[Any, ...]
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
+NUMBER_BYTES = frozenset(b"0123456789+-.eE")  # a number's characters, as bytes
 _LITERALS = {"t": ("true", True), "f": ("false", False), "n": ("null", None)}
 _WHITESPACE = frozenset(" \t\n\r")
 
@@ -105,10 +106,14 @@ def decode_partial(data: bytes) -> tuple[str, bytes]:
 def advance_bytes(state: ScanState, data: bytes, hooks: Hooks, root: Nodes) -> ScanState | str:
     """``advance`` on UTF-8 bytes (a token's), keeping an incomplete character for later."""
     sc = state.scalar
-    if sc is not None and sc.kind == "string" and not (sc.escape or state.pending):
-        inside = _inside_string(state, sc, data, hooks)
-        if inside is not None:
-            return inside
+    if sc is not None and not state.pending:
+        if sc.kind == "string" and not sc.escape:
+            inside = _inside_string(state, sc, data, hooks)
+            if inside is not None:
+                return inside
+        elif sc.kind == "number" and all(b in NUMBER_BYTES for b in data):
+            # digits that continue an open number: nothing completes, nothing is checked
+            return ScanState(state.text + data.decode("ascii"), state.stack, sc, state.done)
     text, pending = decode_partial(state.pending + data)
     # NOTE: the states are rebuilt by hand, not with ``_replace`` (slower): this runs once per
     # candidate token.

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from radixlm.runtime.grammar.json_track import (
+    NUMBER_BYTES,
     ScanState,
     advance_bytes,
     advance_value,
@@ -169,9 +170,6 @@ class ToolCallsTracker:
         return out if isinstance(out, str) else replace(state, scan=out)
 
 
-_NUMBER_BYTES = frozenset(b"0123456789+-.eE")
-
-
 def _inert(state: ScanState, data: bytes) -> bool:
     """Scanning ``data`` from ``state`` completes nothing and checks no prefix: inside an open
     string without prefix checks and no quote in ``data`` (an escaped one included, to keep it
@@ -182,7 +180,7 @@ def _inert(state: ScanState, data: bytes) -> bool:
     if sc.kind == "string":
         return not sc.prefix_check and b'"' not in data
     if sc.kind == "number":
-        return all(b in _NUMBER_BYTES for b in data)
+        return all(b in NUMBER_BYTES for b in data)
     return len(data) <= sc.left
 
 
