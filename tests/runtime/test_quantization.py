@@ -17,6 +17,7 @@ from radixlm.kernels.cpu import build
 from radixlm.kernels.forward_batch import ForwardBatch
 from radixlm.runtime.grammar.bitmask import apply_token_bitmask_torch
 from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.models import base
 from radixlm.runtime.quantization import (
     QuantEmbedding,
     QuantizedWeight,
@@ -328,7 +329,9 @@ def test_quantized_stack_equals_python_layers(request, fixture: str, mode: str) 
 
 @pytest.mark.skipif(not int8_rows_supported(), reason="the int8 kernel needs AVX512_BF16")
 @pytest.mark.parametrize("mode", ["int8", "none"])
-def test_the_lm_head_writes_grammar_masks_into_the_logits(tiny_llama_dir, mode: str) -> None:
+def test_the_lm_head_writes_grammar_masks_into_the_logits(
+    tiny_llama_dir, mode: str, monkeypatch
+) -> None:
     """``Model.forward``'s ``logits_mask``: asked with the row count right before the LM head,
     its masks come back in the logits (= the plain logits with ``apply_token_bitmask``); a
     mask that answers None, or a head that cannot take masks (fp32), leaves them as they are.
@@ -351,6 +354,10 @@ def test_the_lm_head_writes_grammar_masks_into_the_logits(tiny_llama_dir, mode: 
             apply_token_bitmask_torch(want, bitmask, [0, 2])
         assert asked == ([3] if takes else []) and torch.equal(got, want), dtype
         assert torch.equal(r.forward(fb, lambda rows: None), plain)
+        # without masks the head's own float32 logits: the bf16 ones widened, bit for bit
+        monkeypatch.setattr(base, "FLOAT_HEAD_MAX_ROWS", 0)
+        assert torch.equal(r.forward(fb), plain)
+        monkeypatch.undo()
 
 
 @pytest.mark.skipif(build.load_op() is None, reason="CPU ops unavailable")

@@ -197,11 +197,14 @@ class PackedLinear(nn.Module):
         )
 
     def masked_logits(
-        self, x: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
+        self, x: torch.Tensor, bitmask: torch.Tensor | None = None, rows: Sequence[int] = ()
     ) -> torch.Tensor:  # [T, in] -> [T, out] float32
-        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks,
-        written as the kernel makes the logits (``takes_masks(x)`` must hold): the LM head's
-        logits with a grammar's masks, no pass over them afterwards."""
+        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks (none
+        without a bitmask), written as the kernel makes the logits (``takes_masks(x)`` must
+        hold): the LM head's float32 logits, with a grammar's masks, and no pass over them
+        afterwards."""
+        if bitmask is None:  # [0, ceil(out / 32)]: no row masked
+            bitmask = torch.empty(0, (self.out_features + 31) // 32, dtype=torch.int32)
         ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
         return _op().linear_bf16_logits(
             x, self.weight_bf16, self.bias, self.out_features, bitmask.contiguous(), ids

@@ -84,12 +84,15 @@ class QuantLinear(nn.Module):
         )
 
     def masked_logits(
-        self, x: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
+        self, x: torch.Tensor, bitmask: torch.Tensor | None = None, rows: Sequence[int] = ()
     ) -> torch.Tensor:  # [T, in] -> [T, out] float32
-        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks,
-        written as the kernel makes the logits (``takes_masks(x)`` must hold)."""
+        """``forward(x).float()`` with ``apply_token_bitmask(out, bitmask, rows)``'s masks (none
+        without a bitmask), written as the kernel makes the logits (``takes_masks(x)`` must
+        hold)."""
         mm_logits = self.kernel.mm_logits
         assert mm_logits is not None
+        if bitmask is None:  # [0, ceil(out / 32)]: no row masked
+            bitmask = torch.empty(0, (self.out_features + 31) // 32, dtype=torch.int32)
         ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
         return mm_logits(x, self.qweight, self.scales, bitmask.contiguous(), ids)
 
