@@ -118,6 +118,44 @@ def test_packed_linear_computing_in_fp32_takes_the_kernel(gated):
             assert torch.equal(out, kernel)
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (577, 100), (50, 517)])
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 13, 40])
+def test_fp32_logits_variant_is_the_product_with_the_masks(n, k, m):
+    """`linear_bf16_logits` on fp32 x (the LM head computing in fp32) = `linear_bf16` then
+    `apply_token_bitmask_torch` on `rows`, through both fp32 kernels (few rows, blocked)."""
+    from radixlm.runtime.grammar.bitmask import apply_token_bitmask_torch
+
+    gen = torch.Generator().manual_seed(n + 7 * k + m)
+    x = torch.randn(m, k, generator=gen)
+    wp = _op().pack_bf16_linear(torch.randn(n, k, generator=gen).bfloat16())
+    b = torch.randn(n, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (m, (n + 31) // 32), generator=gen)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[:, ::3] = 0
+    chosen = list(range(0, m, 2))
+    for bias in (None, b):
+        got = _op().linear_bf16_logits(x, wp, bias, n, bitmask, torch.tensor(chosen).long())
+        want = _op().linear_bf16(x, wp, bias, n)
+        apply_token_bitmask_torch(want, bitmask, chosen)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (n, k, m)
+
+
+def test_packed_head_computing_in_fp32_takes_masks():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 70, bias=False).to(torch.bfloat16).float()
+    head = PackedLinear(lin, lowp=torch.bfloat16)
+    x = torch.randn(8, 96)
+    assert head.takes_masks(x) and not head.takes_masks(x.bfloat16())
+    bitmask = torch.zeros(8, 3, dtype=torch.int32)
+    bitmask[:, 2] = 0b101  # tokens 64 and 66
+    out = head.masked_logits(x, bitmask, [1, 6])
+    want = head(x)
+    assert torch.equal(out[[0, 2, 3, 4, 5, 7]], want[[0, 2, 3, 4, 5, 7]])
+    for r in (1, 6):
+        assert torch.isfinite(out[r]).nonzero().flatten().tolist() == [64, 66]
+    assert torch.equal(head.masked_logits(x), want)
+
+
 def test_bf16_model_computing_in_fp32_runs_the_stack_on_the_kernel(make_tiny_model, runner_logits):
     """`matmul_dtype="float32"` on a bf16 model (what "auto" picks on a CPU without native
     bf16): the one-call layer stack applies, its linears take the packed kernel on fp32

@@ -430,9 +430,11 @@ BlockFn block_for(int64_t rows) {
 
 // The tile's outputs from its running sums acc [rows, 32] (rows m0, m0 + 1, ...): bias added,
 // gated: silu(gate) * up (half 0 the gate, half 1 the up projection of outputs [n0, n0 + 16)).
+// With `masks` (not gated; the LM head's variant): row m's outputs at -inf wherever bit j of its
+// bitmask word n0 / 32 is 0 (`masks[m]`, nullptr: not masked), while the tile is in L1.
 template <bool Gated>
 void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias, float* y,
-                     int64_t N, int64_t n0, int64_t m0) {
+                     int64_t N, int64_t n0, int64_t m0, const uint32_t* const* masks) {
   if constexpr (Gated) {
     for (int64_t c = 0; c < 16; c += W) {
       const int64_t n = n0 + c;
@@ -454,6 +456,16 @@ void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias
     const vf bv = bias ? load_v(bias + n, cnt) : vf{};
     for (int64_t r = 0; r < rows; ++r) store_v(y + (m0 + r) * N + n, load_v(acc[r] + c) + bv, cnt);
   }
+  if (masks == nullptr) return;
+  const int64_t cnt = std::min<int64_t>(TILE_N, N - n0);  // a tile is one bitmask word
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* m = masks[m0 + r];
+    const uint32_t word = m == nullptr ? 0xFFFFFFFFu : m[n0 / 32];
+    if (word == 0xFFFFFFFFu) continue;
+    float* out = y + (m0 + r) * N + n0;
+    for (int64_t j = 0; j < cnt; ++j)
+      if (!((word >> j) & 1u)) out[j] = -std::numeric_limits<float>::infinity();
+  }
 }
 
 // As `linear_packed`, for fp32 x [M, K] (row stride xs) and y [M, N]. Few rows: work items are
@@ -463,7 +475,8 @@ void finish_tile_f32(const float (*acc)[TILE_N], int64_t rows, const float* bias
 // stays in L2).
 template <bool Gated>
 void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const float* bias,
-                       float* y, int64_t M, int64_t N, int64_t K, int64_t KP) {
+                       float* y, int64_t M, int64_t N, int64_t K, int64_t KP,
+                       const uint32_t* const* masks = nullptr) {
   constexpr int64_t tile_out = Gated ? TILE_N / 2 : TILE_N;
   const int64_t NT = (N + tile_out - 1) / tile_out;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
@@ -510,7 +523,7 @@ void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const floa
             for (int64_t q = 0, m = m0; q < np; m += sizes[q++])
               kHalf[sizes[q] - 3](x + m * xs, xs, wt, K, s, acc + (m - m0), next, q, np);
         }
-        if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0);
+        if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0, masks);
       }
     });
     return;
@@ -536,7 +549,7 @@ void linear_packed_f32(const float* x, int64_t xs, const uint16_t* w, const floa
           }
         }
       }
-      if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0);
+      if (m0 < m1) finish_tile_f32<Gated>(acc, m1 - m0, bias, y, N, t * tile_out, m0, masks);
     }
   });
 }
@@ -632,7 +645,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
 #if defined(__AVX2__) && defined(__FMA__)
     at::Tensor xc = x.contiguous();
     auto* run = gated ? &linear_packed_f32<true> : &linear_packed_f32<false>;
-    run(xc.data_ptr<float>(), K, wp, bias, y.data_ptr<float>(), M, n, K, KP);
+    run(xc.data_ptr<float>(), K, wp, bias, y.data_ptr<float>(), M, n, K, KP, nullptr);
 #else
     TORCH_CHECK(false, "linear_bf16: fp32 inputs need AVX2 and FMA");
 #endif
@@ -650,13 +663,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
   return y;
 }
 
-// linear_bf16(x, w_packed, b, n).float() [M, n] for bf16 x, with -inf wherever bit j of
-// bitmask[r] is 0 in each row r of `rows` (the LM head's logits with a grammar's masks).
+// linear_bf16(x, w_packed, b, n).float() [M, n] (bf16 x; fp32 x: its fp32 output), with -inf
+// wherever bit j of bitmask[r] is 0 in each row r of `rows` (the LM head's logits with a
+// grammar's masks).
 at::Tensor linear_bf16_logits(const at::Tensor& x, const at::Tensor& w_packed,
                               const std::optional<at::Tensor>& b, int64_t n,
                               const at::Tensor& bitmask, const at::Tensor& rows) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w_packed.scalar_type() == at::kBFloat16,
-              "linear_bf16_logits: bf16 x and w");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) &&
+                  w_packed.scalar_type() == at::kBFloat16,
+              "linear_bf16_logits: bf16 or fp32 x and bf16 w");
   TORCH_CHECK(x.dim() == 2, "linear_bf16_logits: x must be [M, K]");
   TORCH_CHECK(w_packed.dim() == 3 && w_packed.size(2) == TILE_PAIR && w_packed.is_contiguous(),
               "linear_bf16_logits: w must be packed by pack_bf16_linear ([NT, KP, 64])");
@@ -684,6 +700,18 @@ at::Tensor linear_bf16_logits(const at::Tensor& x, const at::Tensor& w_packed,
   if (b.has_value()) {
     TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "linear_bf16_logits: b must be [n]");
     bf = b->to(at::kFloat).contiguous();
+  }
+  if (f32) {
+#if defined(__AVX2__) && defined(__FMA__)
+    at::Tensor xc = x.contiguous();
+    linear_packed_f32<false>(xc.data_ptr<float>(), K,
+                             reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
+                             b.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(),
+                             M, n, K, KP, masks.data());
+#else
+    TORCH_CHECK(false, "linear_bf16_logits: fp32 inputs need AVX2 and FMA");
+#endif
+    return y;
   }
 #if defined(__AVX512BF16__)
   at::Tensor xc = x.contiguous();

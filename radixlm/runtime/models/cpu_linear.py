@@ -188,11 +188,12 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def takes_masks(self, x: torch.Tensor) -> bool:
-        """``masked_logits`` serves ``x`` (``[T, in]``): bf16 rows the packed kernel takes."""
+        """``masked_logits`` serves ``x`` (``[T, in]``): rows the packed kernel takes (bf16 on
+        AVX512_BF16; fp32 activations on the fp32 path, whose output is float32 anyway)."""
         return (
             not self.gated
-            and self.kernel_dtype == torch.bfloat16
-            and x.dtype == torch.bfloat16
+            and self.kernel_dtype is not None
+            and x.dtype == self.kernel_dtype
             and x.shape[0] <= self.bf16_max_rows
         )
 
