@@ -616,21 +616,27 @@ at::Tensor pack_bf16_linear(const at::Tensor& w, bool gated) {
 // y [M, n] = x [M, K] @ W^T + b, W packed by `pack_bf16_linear` from an [n, K] weight; x bf16
 // (AVX512_BF16; y bf16) or fp32 (AVX2 + FMA; y fp32); b: fp32 or bf16 [n], optional. Gated (W
 // packed gated from [2n, K]): y = silu(g) * u with [g, u] = x @ W^T + b, b [2n].
+// The checks both ops share: bf16 or fp32 x [M, K], a weight packed by `pack_bf16_linear` for K,
+// and n outputs filling its tiles (`tile_out` outputs a tile: 16 gated, else 32).
+static void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& w_packed,
+                         int64_t n, int64_t tile_out) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  w_packed.scalar_type() == at::kBFloat16,
+              op, ": bf16 or fp32 x and bf16 w");
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [M, K]");
+  TORCH_CHECK(w_packed.dim() == 3 && w_packed.size(2) == TILE_PAIR && w_packed.is_contiguous(),
+              op, ": w must be packed by pack_bf16_linear ([NT, KP, 64])");
+  const int64_t K = x.size(1), KP = w_packed.size(1);
+  TORCH_CHECK(KP == (K + 1) / 2, op, ": x has ", K, " columns, w was packed for ", 2 * KP);
+  TORCH_CHECK(n > 0 && (n + tile_out - 1) / tile_out == w_packed.size(0), op, ": n = ", n,
+              " outputs do not match the packed weight's ", w_packed.size(0), " tiles");
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
                        const std::optional<at::Tensor>& b, int64_t n, bool gated) {
   const bool f32 = x.scalar_type() == at::kFloat;
-  TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) &&
-                  w_packed.scalar_type() == at::kBFloat16,
-              "linear_bf16: bf16 or fp32 x and bf16 w");
-  TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K]");
-  TORCH_CHECK(w_packed.dim() == 3 && w_packed.size(2) == TILE_PAIR && w_packed.is_contiguous(),
-              "linear_bf16: w must be packed by pack_bf16_linear ([NT, KP, 64])");
+  check_packed_inputs("linear_bf16", x, w_packed, n, gated ? TILE_N / 2 : TILE_N);
   const int64_t M = x.size(0), K = x.size(1), KP = w_packed.size(1);
-  TORCH_CHECK(KP == (K + 1) / 2, "linear_bf16: x has ", K, " columns, w was packed for ", 2 * KP);
-  const int64_t tile_out = gated ? TILE_N / 2 : TILE_N;
-  TORCH_CHECK(n > 0 && (n + tile_out - 1) / tile_out == w_packed.size(0),
-              "linear_bf16: n = ", n, " outputs do not match the packed weight's ",
-              w_packed.size(0), " tiles");
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0) return y;  // a step with no rows to project (e.g. no logits wanted)
   at::Tensor bf;
@@ -670,17 +676,8 @@ at::Tensor linear_bf16_logits(const at::Tensor& x, const at::Tensor& w_packed,
                               const std::optional<at::Tensor>& b, int64_t n,
                               const at::Tensor& bitmask, const at::Tensor& rows) {
   const bool f32 = x.scalar_type() == at::kFloat;
-  TORCH_CHECK((f32 || x.scalar_type() == at::kBFloat16) &&
-                  w_packed.scalar_type() == at::kBFloat16,
-              "linear_bf16_logits: bf16 or fp32 x and bf16 w");
-  TORCH_CHECK(x.dim() == 2, "linear_bf16_logits: x must be [M, K]");
-  TORCH_CHECK(w_packed.dim() == 3 && w_packed.size(2) == TILE_PAIR && w_packed.is_contiguous(),
-              "linear_bf16_logits: w must be packed by pack_bf16_linear ([NT, KP, 64])");
+  check_packed_inputs("linear_bf16_logits", x, w_packed, n, TILE_N);
   const int64_t M = x.size(0), K = x.size(1), KP = w_packed.size(1);
-  TORCH_CHECK(KP == (K + 1) / 2, "linear_bf16_logits: x has ", K, " columns, w was packed for ",
-              2 * KP);
-  TORCH_CHECK(n > 0 && (n + TILE_N - 1) / TILE_N == w_packed.size(0), "linear_bf16_logits: n = ",
-              n, " outputs do not match the packed weight's ", w_packed.size(0), " tiles");
   TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
               "linear_bf16_logits: bitmask must be a contiguous int32 [B, W]");
   const int64_t W = bitmask.size(1);
