@@ -9,9 +9,10 @@ One step, for the rows of the batch whose request has a grammar (``req.grammar``
    ``prefetch`` with the rows' matchers before the forward: the rows are then filled on a
    worker thread while the model runs (the backends' fills run native code), and ``mask``
    only waits for them. On CPU, where each logits row is one of those rows, the executor also
-   hands the forward ``fused_mask``: an LM head that can (the int8 kernel) writes the filled
-   masks into the logits as it makes them (no pass over 8 fp32 rows of 49k read back from
-   memory afterwards), and ``mask`` then only adds the ``min_new_tokens`` suppressions.
+   hands the forward ``fused_mask``: an LM head that can (radixlm's packed bf16 / fp32 or int8
+   kernel) writes the filled masks into the logits as it makes them (no pass over 8 fp32 rows
+   of 49k read back from memory afterwards), and ``mask`` then only adds the
+   ``min_new_tokens`` suppressions.
 2. The sampler samples (logprobs stay the raw model's: the caller keeps an unmasked copy).
 3. ``verify`` (schemas with a verifier, ``grammar.verified``): a sampled token that the exact
    schema refuses is masked and its row resampled, until one stands or none is left (a dead

@@ -35,7 +35,7 @@ SOURCES = (
     "int8_gemm.cpp",
     "sampling_ops.cpp",
 )
-HEADERS = ("simd.h", "vec.h")  # included by the sources: part of the build key
+HEADERS = ("simd.h", "vec.h", "logits_masks.h")  # included by the sources: part of the build key
 EXTRA_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno")
 EXTRA_LDFLAGS = ("-fopenmp",)
 

@@ -31,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "logits_masks.h"
 #include "simd.h"
 
 namespace {
@@ -110,15 +111,16 @@ void block_rows(const uint16_t* xr, int64_t kp, const int8_t* w, int64_t K, int6
 }
 
 // All T input rows, in balanced passes (`row_passes`), times the block of output rows from n0:
-// y16 (bf16) or y32 (float32, rows with `mask_rows[t]` masked by bitmask row t, W words a row).
+// y16 (bf16) or y32 (float32, row t masked by its bitmask row `row_masks[t]`, nullptr: not).
 void block_all_rows(const uint16_t* xr, int64_t kp, int64_t T, const int8_t* w, int64_t K,
                     int64_t n0, int64_t nr, const uint16_t* s, uint16_t* y16, float* y32,
-                    int64_t N, const uint32_t* bitmask, int64_t W, const char* mask_rows,
-                    __m512i lo_tab, __m512i hi_tab) {
+                    int64_t N, const uint32_t* const* row_masks, __m512i lo_tab,
+                    __m512i hi_tab) {
   radixlm_cpu::row_passes(T, [&](auto R, int64_t t0) {
     const uint32_t* masks[8] = {};
     for (int t = 0; t < decltype(R)::value; ++t)
-      if (mask_rows != nullptr && mask_rows[t0 + t]) masks[t] = bitmask + (t0 + t) * W + n0 / 32;
+      if (row_masks != nullptr && row_masks[t0 + t] != nullptr)
+        masks[t] = row_masks[t0 + t] + n0 / 32;
     const Store y{y16 == nullptr ? nullptr : y16 + t0 * N + n0,
                   y32 == nullptr ? nullptr : y32 + t0 * N + n0, N, masks,
                   static_cast<int>(n0 % 32)};
@@ -162,7 +164,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sc
 
 // y = (x @ w^T) * scales into y16 (bf16) or y32 (float32, masked rows: see block_all_rows).
 void run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, uint16_t* y16,
-         float* y32, const uint32_t* bitmask, int64_t W, const char* mask_rows) {
+         float* y32, const uint32_t* const* row_masks) {
 #if defined(__AVX512BF16__)
   const int64_t T = x.size(0), N = w.size(0), K = w.size(1);
   const at::Tensor xc = x.contiguous();
@@ -183,7 +185,7 @@ void run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, uin
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kOut;
       block_all_rows(xrp, kp, T, wp, K, n0, std::min<int64_t>(kOut, N - n0), sp, y16, y32, N,
-                     bitmask, W, mask_rows, lo_tab, hi_tab);
+                     row_masks, lo_tab, hi_tab);
     }
   });
 #else
@@ -200,48 +202,34 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
-  run(x, w, scales, reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), nullptr, nullptr, 0,
-      nullptr);
+  run(x, w, scales, reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), nullptr, nullptr);
   return y;
 }
 
 // int8_mm(x, w, scales).float() [T, N] with bitmask row r's -inf in each row r of `rows`.
 at::Tensor int8_mm_logits(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                          const at::Tensor& bitmask, const at::Tensor& rows) {
+                          const std::optional<at::Tensor>& bitmask, const at::Tensor& rows) {
   check_inputs(x, w, scales);
   const int64_t T = x.size(0), N = w.size(0), K = w.size(1);
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
-              "int8_mm_logits: bitmask must be a contiguous int32 [B, W]");
-  const int64_t W = bitmask.size(1);
-  TORCH_CHECK(32 * W >= N, "int8_mm_logits: bitmask too narrow for ", N, " outputs");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [R]");
-  std::vector<char> mask_rows(T, 0);
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.size(0); ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < T && rp[i] < bitmask.size(0), "row ", rp[i],
-                " out of range");
-    mask_rows[rp[i]] = 1;
-  }
+  const auto masks = radixlm_cpu::logits_masks("int8_mm_logits", bitmask, rows, T, N);
   at::Tensor y = at::empty({T, N}, x.options().dtype(at::kFloat));
   if (T == 0 || N == 0) return y;
   if (K == 0) {  // every product 0, then the masks
     y.zero_();
     float* yp = y.data_ptr<float>();
-    const auto* bm = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = 0; n < N && mask_rows[t]; ++n)
-        if (!((bm[t * W + n / 32] >> (n % 32)) & 1u))
+      for (int64_t n = 0; n < N && masks[t] != nullptr; ++n)
+        if (!((masks[t][n / 32] >> (n % 32)) & 1u))
           yp[t * N + n] = -std::numeric_limits<float>::infinity();
     return y;
   }
-  run(x, w, scales, nullptr, y.data_ptr<float>(),
-      reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()), W, mask_rows.data());
+  run(x, w, scales, nullptr, y.data_ptr<float>(), masks.data());
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("int8_mm(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("int8_mm_logits(Tensor x, Tensor w, Tensor scales, Tensor bitmask, Tensor rows) -> Tensor");
+  m.def("int8_mm_logits(Tensor x, Tensor w, Tensor scales, Tensor? bitmask, Tensor rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixlm_cpu, CPU, m) {

@@ -58,6 +58,7 @@
 #include <optional>
 #include <vector>
 
+#include "logits_masks.h"
 #include "vec.h"
 
 namespace {
@@ -613,13 +614,10 @@ at::Tensor pack_bf16_linear(const at::Tensor& w, bool gated) {
       {NT, KP, TILE_PAIR});
 }
 
-// y [M, n] = x [M, K] @ W^T + b, W packed by `pack_bf16_linear` from an [n, K] weight; x bf16
-// (AVX512_BF16; y bf16) or fp32 (AVX2 + FMA; y fp32); b: fp32 or bf16 [n], optional. Gated (W
-// packed gated from [2n, K]): y = silu(g) * u with [g, u] = x @ W^T + b, b [2n].
 // The checks both ops share: bf16 or fp32 x [M, K], a weight packed by `pack_bf16_linear` for K,
 // and n outputs filling its tiles (`tile_out` outputs a tile: 16 gated, else 32).
 static void check_packed_inputs(const char* op, const at::Tensor& x, const at::Tensor& w_packed,
-                         int64_t n, int64_t tile_out) {
+                                int64_t n, int64_t tile_out) {
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   w_packed.scalar_type() == at::kBFloat16,
               op, ": bf16 or fp32 x and bf16 w");
@@ -632,17 +630,21 @@ static void check_packed_inputs(const char* op, const at::Tensor& x, const at::T
               " outputs do not match the packed weight's ", w_packed.size(0), " tiles");
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
-                       const std::optional<at::Tensor>& b, int64_t n, bool gated) {
+// y [M, n] = x [M, K] @ W^T + b, W packed by `pack_bf16_linear` from an [n, K] weight; x bf16
+// (AVX512_BF16; y bf16, or float32 with `logits`) or fp32 (AVX2 + FMA; y fp32); b: fp32 or bf16
+// [n], optional. Gated (W packed gated from [2n, K]): y = silu(g) * u with [g, u] = x @ W^T + b,
+// b [2n]. `masks` (not gated): per row the bitmask row whose 0 bits make its outputs -inf.
+static at::Tensor packed_product(const char* op, const at::Tensor& x, const at::Tensor& w_packed,
+                                 const std::optional<at::Tensor>& b, int64_t n, bool gated,
+                                 bool logits, const uint32_t* const* masks) {
   const bool f32 = x.scalar_type() == at::kFloat;
-  check_packed_inputs("linear_bf16", x, w_packed, n, gated ? TILE_N / 2 : TILE_N);
   const int64_t M = x.size(0), K = x.size(1), KP = w_packed.size(1);
-  at::Tensor y = at::empty({M, n}, x.options());
+  at::Tensor y = at::empty({M, n}, logits ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0) return y;  // a step with no rows to project (e.g. no logits wanted)
   at::Tensor bf;
   if (b.has_value()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == (gated ? 2 * n : n),
-                "linear_bf16: b must be [n] ([2n] gated)");
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == (gated ? 2 * n : n), op,
+                ": b must be [n] ([2n] gated)");
     bf = b->to(at::kFloat).contiguous();
   }
   const float* bias = b.has_value() ? bf.data_ptr<float>() : nullptr;
@@ -651,82 +653,50 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
 #if defined(__AVX2__) && defined(__FMA__)
     at::Tensor xc = x.contiguous();
     auto* run = gated ? &linear_packed_f32<true> : &linear_packed_f32<false>;
-    run(xc.data_ptr<float>(), K, wp, bias, y.data_ptr<float>(), M, n, K, KP, nullptr);
+    run(xc.data_ptr<float>(), K, wp, bias, y.data_ptr<float>(), M, n, K, KP, masks);
 #else
-    TORCH_CHECK(false, "linear_bf16: fp32 inputs need AVX2 and FMA");
+    TORCH_CHECK(false, op, ": fp32 inputs need AVX2 and FMA");
 #endif
     return y;
   }
 #if defined(__AVX512BF16__)
   at::Tensor xc = x.contiguous();
   if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});  // the packed weight's zero K padding
-  auto* run = gated ? &linear_packed<true> : &linear_packed<false>;
-  run(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()), wp, bias,
-      reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), M, n, KP, nullptr, nullptr);
+  const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>());
+  if (logits) {
+    linear_packed<false>(xp, wp, bias, nullptr, M, n, KP, y.data_ptr<float>(), masks);
+  } else {
+    auto* run = gated ? &linear_packed<true> : &linear_packed<false>;
+    run(xp, wp, bias, reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>()), M, n, KP, nullptr,
+        nullptr);
+  }
 #else
-  TORCH_CHECK(false, "linear_bf16: bf16 inputs need AVX512_BF16 (this build has none)");
+  TORCH_CHECK(false, op, ": bf16 inputs need AVX512_BF16 (this build has none)");
 #endif
   return y;
 }
 
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w_packed,
+                       const std::optional<at::Tensor>& b, int64_t n, bool gated) {
+  check_packed_inputs("linear_bf16", x, w_packed, n, gated ? TILE_N / 2 : TILE_N);
+  return packed_product("linear_bf16", x, w_packed, b, n, gated, false, nullptr);
+}
+
 // linear_bf16(x, w_packed, b, n).float() [M, n] (bf16 x; fp32 x: its fp32 output), with -inf
 // wherever bit j of bitmask[r] is 0 in each row r of `rows` (the LM head's logits with a
-// grammar's masks).
+// grammar's masks; no bitmask: none).
 at::Tensor linear_bf16_logits(const at::Tensor& x, const at::Tensor& w_packed,
                               const std::optional<at::Tensor>& b, int64_t n,
-                              const at::Tensor& bitmask, const at::Tensor& rows) {
-  const bool f32 = x.scalar_type() == at::kFloat;
+                              const std::optional<at::Tensor>& bitmask, const at::Tensor& rows) {
   check_packed_inputs("linear_bf16_logits", x, w_packed, n, TILE_N);
-  const int64_t M = x.size(0), K = x.size(1), KP = w_packed.size(1);
-  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(),
-              "linear_bf16_logits: bitmask must be a contiguous int32 [B, W]");
-  const int64_t W = bitmask.size(1);
-  TORCH_CHECK(32 * W >= n, "linear_bf16_logits: bitmask too narrow for ", n, " outputs");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [R]");
-  const auto* bm = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
-  std::vector<const uint32_t*> masks(M, nullptr);
-  const int64_t* rp = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < rows.size(0); ++i) {
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < M && rp[i] < bitmask.size(0), "row ", rp[i],
-                " out of range");
-    masks[rp[i]] = bm + rp[i] * W;
-  }
-  at::Tensor y = at::empty({M, n}, x.options().dtype(at::kFloat));
-  if (M == 0) return y;
-  at::Tensor bf;
-  if (b.has_value()) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == n, "linear_bf16_logits: b must be [n]");
-    bf = b->to(at::kFloat).contiguous();
-  }
-  if (f32) {
-#if defined(__AVX2__) && defined(__FMA__)
-    at::Tensor xc = x.contiguous();
-    linear_packed_f32<false>(xc.data_ptr<float>(), K,
-                             reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
-                             b.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(),
-                             M, n, K, KP, masks.data());
-#else
-    TORCH_CHECK(false, "linear_bf16_logits: fp32 inputs need AVX2 and FMA");
-#endif
-    return y;
-  }
-#if defined(__AVX512BF16__)
-  at::Tensor xc = x.contiguous();
-  if (K % 2) xc = at::constant_pad_nd(xc, {0, 1});  // the packed weight's zero K padding
-  linear_packed<false>(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()),
-                       reinterpret_cast<const uint16_t*>(w_packed.data_ptr<c10::BFloat16>()),
-                       b.has_value() ? bf.data_ptr<float>() : nullptr, nullptr, M, n, KP,
-                       y.data_ptr<float>(), masks.data());
-#else
-  TORCH_CHECK(false, "linear_bf16_logits: bf16 inputs need AVX512_BF16 (this build has none)");
-#endif
-  return y;
+  const auto masks = radixlm_cpu::logits_masks("linear_bf16_logits", bitmask, rows, x.size(0), n);
+  return packed_product("linear_bf16_logits", x, w_packed, b, n, false, true, masks.data());
 }
 
 TORCH_LIBRARY_FRAGMENT(radixlm_cpu, m) {
   m.def("pack_bf16_linear(Tensor w, bool gated=False) -> Tensor");
   m.def(
-      "linear_bf16_logits(Tensor x, Tensor w_packed, Tensor? b, int n, Tensor bitmask, "
+      "linear_bf16_logits(Tensor x, Tensor w_packed, Tensor? b, int n, Tensor? bitmask, "
       "Tensor rows) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor w_packed, Tensor? b, int n, bool gated=False) -> Tensor");
   m.def("linear_bf16_max_rows() -> int", &linear_bf16_max_rows);

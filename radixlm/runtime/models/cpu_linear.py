@@ -204,11 +204,9 @@ class PackedLinear(nn.Module):
         without a bitmask), written as the kernel makes the logits (``takes_masks(x)`` must
         hold): the LM head's float32 logits, with a grammar's masks, and no pass over them
         afterwards."""
-        if bitmask is None:  # [0, ceil(out / 32)]: no row masked
-            bitmask = torch.empty(0, (self.out_features + 31) // 32, dtype=torch.int32)
         ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
         return _op().linear_bf16_logits(
-            x, self.weight_bf16, self.bias, self.out_features, bitmask.contiguous(), ids
+            x, self.weight_bf16, self.bias, self.out_features, bitmask, ids
         )
 
     def extra_repr(self) -> str:

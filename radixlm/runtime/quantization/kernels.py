@@ -48,8 +48,8 @@ class QuantKernel:
     dequant_min_rows: int = 1 << 62
     # The packed int8 weight is the plain [N, K] matrix (an embedding can gather its rows).
     plain_rows: bool = False
-    # `mm(...).float()` with grammar masks in it: `(x, weight, scales, bitmask [>= T, W] int32,
-    # rows [R] int64) -> [T, N] float32`, -inf where bit n of bitmask[r] is 0 for each r in
+    # `mm(...).float()` with grammar masks in it: `(x, weight, scales, bitmask [>= T, W] int32
+    # or None, rows [R] int64) -> [T, N] float32`, -inf where bit n of bitmask[r] is 0 for each r in
     # rows (the LM head's logits, written masked: `QuantLinear.masked_logits`). None: not offered.
     mm_logits: (
         Callable[

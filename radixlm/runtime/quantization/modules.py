@@ -91,10 +91,8 @@ class QuantLinear(nn.Module):
         hold)."""
         mm_logits = self.kernel.mm_logits
         assert mm_logits is not None
-        if bitmask is None:  # [0, ceil(out / 32)]: no row masked
-            bitmask = torch.empty(0, (self.out_features + 31) // 32, dtype=torch.int32)
         ids = torch.tensor(list(rows), dtype=torch.long)  # [R]
-        return mm_logits(x, self.qweight, self.scales, bitmask.contiguous(), ids)
+        return mm_logits(x, self.qweight, self.scales, bitmask, ids)
 
     def extra_repr(self) -> str:
         g = "per channel" if self.bits == 8 else f"group {self.group_size}"
